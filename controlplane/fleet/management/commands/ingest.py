@@ -1,0 +1,74 @@
+"""`manage.py ingest`: consume the telemetry streams into the database.
+
+Run as many as you like: they share the work through one Redis consumer group.
+SIGTERM and SIGINT stop it after the batch in hand.
+"""
+
+import logging
+import os
+import signal
+import socket
+import threading
+from typing import Any
+
+import redis
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from controlplane.core.streams import StreamIngestor
+from controlplane.fleet.ingest import stream_handlers
+
+logger = logging.getLogger(__name__)
+
+
+class Command(BaseCommand):
+    help = "Consume telemetry streams from Redis (consumer group) into the database."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--group", default="ingest", help="consumer group name")
+        parser.add_argument(
+            "--consumer",
+            default=f"{socket.gethostname()}-{os.getpid()}",
+            help="this consumer's name within the group (default: host-pid)",
+        )
+        parser.add_argument("--batch-size", type=int, default=500)
+        parser.add_argument("--claim-idle-ms", type=int, default=30_000)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if options["batch_size"] < 1:
+            raise CommandError("--batch-size must be at least 1")
+        if options["claim_idle_ms"] < 100:
+            raise CommandError("--claim-idle-ms must be at least 100")
+        stop = threading.Event()
+
+        def request_stop(signum: int, frame: Any) -> None:
+            logger.info("ingest stopping", extra={"signal": signum})
+            stop.set()
+
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
+        handlers = stream_handlers()
+        client = redis.Redis.from_url(
+            settings.REDIS_URL, socket_timeout=10, socket_connect_timeout=5
+        )
+        ingestor = StreamIngestor(
+            client=client,
+            group=options["group"],
+            consumer=options["consumer"],
+            handlers=handlers,
+            batch_size=options["batch_size"],
+            claim_idle_ms=options["claim_idle_ms"],
+        )
+        logger.info(
+            "ingest started",
+            extra={
+                "streams": sorted(handlers),
+                "group": options["group"],
+                "consumer": options["consumer"],
+            },
+        )
+        if not handlers:
+            stop.wait()
+            return
+        ingestor.run(stop.is_set)
+        logger.info("ingest stopped")

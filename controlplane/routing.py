@@ -1,0 +1,9 @@
+"""Websocket routes."""
+
+from django.urls import path
+
+from controlplane.core.consumers import LiveUpdatesConsumer
+
+websocket_urlpatterns = [
+    path("ws/live/", LiveUpdatesConsumer.as_asgi()),
+]

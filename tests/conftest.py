@@ -1,0 +1,75 @@
+"""Shared fixtures: the real Redis (a database of its own) and helpers for child processes."""
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from django.conf import settings
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def redis_client() -> Iterator[redis.Redis]:
+    """The test Redis database, emptied before and after the test."""
+    client = redis.Redis.from_url(settings.REDIS_URL, decode_responses=True)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+def child_environment(**overrides: str) -> dict[str, str]:
+    """Environment for a child process that must see the same stores as the test."""
+    env = dict(os.environ)
+    db = settings.DATABASES["default"]
+    env.update(
+        {
+            "DJANGO_SETTINGS_MODULE": "controlplane.settings_test",
+            "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+            "REDIS_URL": settings.REDIS_URL,
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    env.update(overrides)
+    return env
+
+
+def start_process(args: list[str], log_path: Path, **env: str) -> subprocess.Popen[bytes]:
+    log = open(log_path, "wb")  # noqa: SIM115 - closed by the caller's stop_process
+    return subprocess.Popen(
+        args,
+        cwd=REPO_ROOT,
+        env=child_environment(**env),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout: float = 15) -> int:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+    return process.returncode
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05, message: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(message or f"condition not met within {timeout}s")
+
+
+PYTHON = sys.executable

@@ -1,0 +1,64 @@
+"""The live websocket: session-authenticated, events travel through the Redis channel layer."""
+
+import asyncio
+
+import pytest
+from channels.db import database_sync_to_async
+from channels.layers import get_channel_layer
+from channels.testing import WebsocketCommunicator
+from channels_redis.core import RedisChannelLayer
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.test import Client
+
+from controlplane.asgi import application
+from controlplane.core.consumers import UNAUTHENTICATED_CLOSE_CODE
+from controlplane.core.events import BROADCAST_GROUP, publish_event
+
+
+def _session_cookie_for_new_user() -> str:
+    user = get_user_model().objects.create_user("watcher", password="watcher-password-1")
+    client = Client()
+    client.force_login(user)
+    return client.cookies[settings.SESSION_COOKIE_NAME].value
+
+
+def _headers(cookie: str | None) -> list[tuple[bytes, bytes]]:
+    headers = [(b"origin", b"http://localhost"), (b"host", b"localhost")]
+    if cookie:
+        headers.append((b"cookie", f"{settings.SESSION_COOKIE_NAME}={cookie}".encode()))
+    return headers
+
+
+@pytest.mark.django_db(transaction=True)
+def test_event_published_through_redis_reaches_the_browser_socket(redis_client) -> None:
+    cookie = _session_cookie_for_new_user()
+
+    async def scenario() -> dict:
+        communicator = WebsocketCommunicator(application, "/ws/live/", headers=_headers(cookie))
+        connected, _ = await communicator.connect(timeout=5)
+        assert connected
+        # publish_event is what domain code calls (synchronously, after commit).
+        await database_sync_to_async(publish_event)(
+            BROADCAST_GROUP, "agent.updated", {"agent": "agent-1", "state": "ready"}
+        )
+        message = await communicator.receive_json_from(timeout=5)
+        await communicator.disconnect()
+        return message
+
+    assert asyncio.run(scenario()) == {
+        "type": "agent.updated",
+        "payload": {"agent": "agent-1", "state": "ready"},
+    }
+    # The layer that carried it is the Redis one, not an in-memory stand-in.
+    assert isinstance(get_channel_layer(), RedisChannelLayer)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_anonymous_socket_is_closed() -> None:
+    async def scenario() -> tuple[bool, int | None]:
+        communicator = WebsocketCommunicator(application, "/ws/live/", headers=_headers(None))
+        connected, code = await communicator.connect(timeout=5)
+        return connected, code
+
+    assert asyncio.run(scenario()) == (False, UNAUTHENTICATED_CLOSE_CODE)
