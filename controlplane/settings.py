@@ -53,6 +53,8 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "channels",
     "controlplane.core",
+    "controlplane.accounts",
+    "controlplane.audit",
     "controlplane.fleet",
 ]
 
