@@ -55,6 +55,8 @@ INSTALLED_APPS = [
     "controlplane.core",
     "controlplane.accounts",
     "controlplane.audit",
+    "controlplane.registry",
+    "controlplane.tenants",
     "controlplane.fleet",
 ]
 

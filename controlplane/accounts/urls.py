@@ -1,0 +1,3 @@
+"""REST routes of this app, mounted under /api/v1/."""
+
+urlpatterns: list = []
