@@ -1,0 +1,72 @@
+"""docker-compose.yml is checked by parsing: no Docker engine runs here."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO_ROOT
+
+COMPOSE = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
+SERVICES: dict = COMPOSE["services"]
+# Processes that answer on a port, and so must say how to probe them.
+SERVING = {"postgres", "redis", "web", "agent1", "agent2"}
+REQUIRED = {"postgres", "redis", "web", "worker", "beat", "ingest", "agent1", "agent2"}
+
+
+def test_the_whole_stack_is_there() -> None:
+    assert REQUIRED <= set(SERVICES)
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_service_has_an_image_or_build(name: str) -> None:
+    service = SERVICES[name]
+    assert "image" in service or "build" in service
+    build = service.get("build")
+    if build:
+        assert (REPO_ROOT / build["context"] / build["dockerfile"]).is_file()
+
+
+@pytest.mark.parametrize("name", sorted(REQUIRED - {"postgres", "redis"}))
+def test_product_service_has_a_command(name: str) -> None:
+    command = SERVICES[name].get("command")
+    assert isinstance(command, list)
+    assert command
+
+
+@pytest.mark.parametrize("name", sorted(SERVING))
+def test_serving_service_has_a_health_check(name: str) -> None:
+    check = SERVICES[name].get("healthcheck")
+    assert check
+    assert check["test"][0] in {"CMD", "CMD-SHELL"}
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_dependencies_exist_and_health_conditions_have_checks(name: str) -> None:
+    depends_on = SERVICES[name].get("depends_on", {})
+    names = depends_on if isinstance(depends_on, list) else list(depends_on)
+    for dependency in names:
+        assert dependency in SERVICES, f"{name} depends on unknown service {dependency}"
+        if isinstance(depends_on, dict):
+            if depends_on[dependency].get("condition") == "service_healthy":
+                assert "healthcheck" in SERVICES[dependency], dependency
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_named_volumes_are_declared(name: str) -> None:
+    for volume in SERVICES[name].get("volumes", []):
+        source = volume.split(":", 1)[0]
+        if not source.startswith((".", "/")):
+            assert source in COMPOSE["volumes"], f"{name} mounts undeclared volume {source}"
+
+
+def test_redis_keeps_an_append_only_file() -> None:
+    # Usage entries waiting on the streams must survive a Redis restart.
+    assert "--appendonly" in SERVICES["redis"]["command"]
+
+
+def test_dockerfile_copies_every_package() -> None:
+    dockerfile = (REPO_ROOT / "deploy" / "Dockerfile").read_text()
+    for package in ("controlplane", "engine", "agent", "contracts", "templates", "static"):
+        assert f"COPY {package} ./{package}" in dockerfile
+    assert Path(REPO_ROOT / "Procfile").is_file()
