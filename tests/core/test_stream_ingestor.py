@@ -32,8 +32,12 @@ class RecordingHandler:
 
 def make_ingestor(redis_client, handler, consumer="c1", **options) -> StreamIngestor:
     ingestor = StreamIngestor(
-        client=redis_client, group="g", consumer=consumer, handlers={STREAM: handler},
-        block_ms=10, **options,
+        client=redis_client,
+        group="g",
+        consumer=consumer,
+        handlers={STREAM: handler},
+        block_ms=10,
+        **options,
     )
     ingestor.ensure_groups()
     return ingestor
