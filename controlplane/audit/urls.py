@@ -1,3 +1,10 @@
 """REST routes of this app, mounted under /api/v1/."""
 
-urlpatterns: list = []
+from rest_framework.routers import SimpleRouter
+
+from controlplane.audit import views
+
+router = SimpleRouter()
+router.register("audit-events", views.AuditEventViewSet, basename="audit-event")
+
+urlpatterns = router.urls

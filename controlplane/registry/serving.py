@@ -1,0 +1,41 @@
+"""The serving configuration a version carries (and its signature covers)."""
+
+from typing import Any
+
+from controlplane.core.errors import DomainError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+# integer fields: (minimum, maximum)
+LIMITS: dict[str, tuple[int, int]] = {
+    "max_model_len": (1, 1_048_576),
+    "kv_block_size": (1, 1024),
+    "max_num_seqs": (1, 4096),
+    "max_num_batched_tokens": (1, 1_048_576),
+}
+FIELDS = ("dtype", *LIMITS)
+
+
+def serving_config_validate(config: Any) -> dict[str, Any]:
+    """The normalised config (exactly FIELDS), or DomainError naming each bad field."""
+    if not isinstance(config, dict):
+        raise DomainError("invalid", "serving_config must be an object.")
+    errors: dict[str, list[str]] = {}
+    for name in sorted(set(config) - set(FIELDS)):
+        errors[name] = ["Unknown field."]
+    for name in FIELDS:
+        if name not in config:
+            errors[name] = ["This field is required."]
+    if "dtype" in config and config["dtype"] not in DTYPES:
+        errors["dtype"] = [f"Must be one of {', '.join(DTYPES)}."]
+    for name, (low, high) in LIMITS.items():
+        value = config.get(name)
+        if name not in config:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            errors[name] = ["Must be an integer."]
+        elif not low <= value <= high:
+            errors[name] = [f"Must be between {low} and {high}."]
+    if errors:
+        raise DomainError("invalid", "The serving configuration is not valid.", fields=errors)
+    return {name: config[name] for name in FIELDS}

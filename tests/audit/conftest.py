@@ -1,0 +1,3 @@
+"""Shared API test fixtures."""
+
+from tests.api.support import *  # noqa: F403

@@ -1,0 +1,79 @@
+"""seed_demo: the demo's registry, tenants and users; a second run changes nothing."""
+
+import json
+
+import pytest
+from django.core.management import call_command
+from django.test import override_settings
+from rest_framework.test import APIClient
+
+from controlplane.accounts.models import AccessToken, Membership
+from controlplane.audit.models import AuditEvent
+from controlplane.registry.models import Artifact, Model, ModelVersion, SigningKey
+from controlplane.tenants.models import ApiKey, Tenant
+from controlplane.tenants.selectors import api_key_authenticate
+
+COUNTED = [
+    Model,
+    ModelVersion,
+    Artifact,
+    SigningKey,
+    Tenant,
+    ApiKey,
+    Membership,
+    AccessToken,
+    AuditEvent,
+]
+
+
+def counts() -> dict[str, int]:
+    return {model.__name__: model.objects.count() for model in COUNTED}
+
+
+@pytest.mark.slow
+@pytest.mark.django_db
+def test_seed_demo_twice(tmp_path, capsys) -> None:
+    demo_dir = tmp_path / "demo"
+    with override_settings(DEMO_DIR=demo_dir, ARTIFACT_ROOT=demo_dir / "artifacts"):
+        call_command("seed_demo")
+        first = counts()
+        first_output = capsys.readouterr().out
+        call_command("seed_demo")
+        assert counts() == first
+        assert capsys.readouterr().out == first_output
+
+        assert first["Model"] == 2
+        assert first["ModelVersion"] == 3
+        assert first["Artifact"] == 2
+        assert first["Tenant"] == 2
+        assert first["ApiKey"] == 2
+        assert first["Membership"] == 7
+        smol = ModelVersion.objects.filter(model__name="SmolLM2-135M-Instruct").order_by("label")
+        assert [(v.label, v.serving_config["dtype"], v.status) for v in smol] == [
+            ("q4_1-bf16", "bfloat16", "verified"),
+            ("q4_1-fp32", "float32", "verified"),
+        ]
+        assert smol[0].artifact_id == smol[1].artifact_id
+        assert smol[0].artifact.format == "gguf"
+        minilm = ModelVersion.objects.get(model__name="all-MiniLM-L6-v2")
+        assert minilm.artifact.format == "safetensors"
+        assert SigningKey.objects.get().is_trusted
+
+        credentials = json.loads((demo_dir / "credentials.json").read_text())
+        assert set(credentials["api_keys"]) == {"acme", "globex"}
+        for slug, raw in credentials["api_keys"].items():
+            assert raw in first_output
+            assert api_key_authenticate(raw)[1].slug == slug
+        assert credentials["users"]["release"]["role"] == "release_manager"
+
+        # The agent's token downloads (and resumes) the artifact it will serve.
+        agent = APIClient()
+        agent.credentials(HTTP_AUTHORIZATION=f"Bearer {credentials['agent_token']}")
+        response = agent.get(f"/api/v1/artifacts/{smol[0].artifact_id}", HTTP_RANGE="bytes=0-3")
+        assert response.status_code == 206
+        assert b"".join(response.streaming_content) == b"GGUF"
+
+        # Logins work with the printed passwords.
+        assert APIClient().login(
+            username="oncall", password=credentials["users"]["oncall"]["password"]
+        )
