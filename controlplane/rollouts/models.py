@@ -1,0 +1,211 @@
+"""Deployments, rollouts, analysis runs and outgoing webhooks.
+
+A Deployment is a public model name with its stable version and its *desired routing*
+(`desired_routing`, `routing_revision`): what the reconciler makes Redis and the agents
+match. Every rollout transition rewrites the desired routing and bumps the revision in
+the same transaction as the state change and its audit event.
+"""
+
+from typing import Any
+
+from django.conf import settings
+from django.db import models
+
+
+class RolloutState(models.TextChoices):
+    PENDING = "pending", "Pending"
+    GATING = "gating", "Gating"
+    RUNNING = "running", "Running"
+    PAUSED = "paused", "Paused"
+    PROMOTED = "promoted", "Promoted"
+    ROLLED_BACK = "rolled_back", "Rolled back"
+    ABORTED = "aborted", "Aborted"
+    FAILED = "failed", "Failed"
+
+
+ACTIVE_STATES = frozenset(
+    {RolloutState.PENDING, RolloutState.GATING, RolloutState.RUNNING, RolloutState.PAUSED}
+)
+FINAL_STATES = frozenset(
+    {RolloutState.PROMOTED, RolloutState.ROLLED_BACK, RolloutState.ABORTED, RolloutState.FAILED}
+)
+
+
+class Deployment(models.Model):
+    # The public model name tenants call (`model` in an OpenAI request).
+    name = models.CharField(max_length=100, unique=True)
+    stable_version = models.ForeignKey(
+        "registry.ModelVersion", on_delete=models.PROTECT, related_name="stable_deployments"
+    )
+    # {"stable_version_id", "canary_version_id", "canary_weight" (0-100),
+    #  "canary_tenants" ([] = every tenant), "preload_version_ids"}
+    desired_routing = models.JSONField(default=dict)
+    # Bumped on every change of desired_routing; the routing table carries it.
+    routing_revision = models.PositiveBigIntegerField(default=0)
+    # The revision the reconciler last published to Redis.
+    applied_revision = models.PositiveBigIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Rollout(models.Model):
+    deployment = models.ForeignKey(Deployment, on_delete=models.PROTECT, related_name="rollouts")
+    baseline = models.ForeignKey(
+        "registry.ModelVersion", on_delete=models.PROTECT, related_name="+"
+    )
+    candidate = models.ForeignKey(
+        "registry.ModelVersion", on_delete=models.PROTECT, related_name="rollouts_as_candidate"
+    )
+    # [{"weight": 5, "min_duration_s": 60, "min_requests": 50, "tenants": []}, ...]
+    stages = models.JSONField()
+    policy = models.JSONField(default=dict)  # analysis.AnalysisPolicy fields
+    required_suites = models.ManyToManyField("registry.EvalSuite", blank=True, related_name="+")
+    state = models.CharField(
+        max_length=20, choices=RolloutState.choices, default=RolloutState.PENDING
+    )
+    stage_index = models.PositiveIntegerField(default=0)
+    stage_started_at = models.DateTimeField(null=True, blank=True)
+    stage_extensions = models.PositiveIntegerField(default=0)
+    # The state a paused rollout resumes to.
+    paused_from = models.CharField(max_length=20, choices=RolloutState.choices, blank=True)
+    # Why the rollout is where it is (the last transition's reason).
+    state_reason = models.TextField(blank=True)
+    # Why gating has not passed yet (one line per missing or failed suite).
+    gate_reasons = models.JSONField(default=list, blank=True)
+    # Bumped by every transition: an expected-revision check refuses stale callers.
+    revision = models.PositiveIntegerField(default=0)
+    attempt = models.PositiveIntegerField(default=1)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["deployment"],
+                condition=models.Q(state__in=["pending", "gating", "running", "paused"]),
+                name="rollouts_one_active_rollout_per_deployment",
+            ),
+        ]
+        indexes = [models.Index(fields=["state"]), models.Index(fields=["candidate", "state"])]
+
+    def __str__(self) -> str:
+        return f"rollout {self.pk} of {self.deployment_id}: {self.state}"
+
+    @property
+    def current_stage(self) -> dict[str, Any] | None:
+        if 0 <= self.stage_index < len(self.stages):
+            return self.stages[self.stage_index]
+        return None
+
+    def snapshot(self) -> dict[str, Any]:
+        """The fields an audit event records before and after a transition."""
+        return {
+            "state": self.state,
+            "stage_index": self.stage_index,
+            "canary_weight": (self.current_stage or {}).get("weight")
+            if self.state in {RolloutState.RUNNING, RolloutState.PAUSED}
+            else None,
+            "revision": self.revision,
+            "attempt": self.attempt,
+        }
+
+
+class Verdict(models.TextChoices):
+    PASS = "pass", "Pass"
+    FAIL = "fail", "Fail"
+    INCONCLUSIVE = "inconclusive", "Inconclusive"
+
+
+class AnalysisRun(models.Model):
+    rollout = models.ForeignKey(Rollout, on_delete=models.CASCADE, related_name="analysis_runs")
+    stage_index = models.PositiveIntegerField()
+    attempt = models.PositiveIntegerField(default=1)
+    window_start = models.DateTimeField()
+    window_end = models.DateTimeField()
+    baseline = models.JSONField()  # figures: requests, errors, p50/p95 TTFT and ITL, J/token
+    canary = models.JSONField()
+    tests = models.JSONField(default=dict)  # p-values and statistics
+    verdict = models.CharField(max_length=20, choices=Verdict.choices)
+    reasons = models.JSONField(default=list)
+    action = models.CharField(max_length=20)  # analysis.Action
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-window_end", "-id"]
+        constraints = [
+            # One run per analysis tick: a task delivered twice records nothing new.
+            models.UniqueConstraint(
+                fields=["rollout", "attempt", "window_end"], name="rollouts_one_run_per_window"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"analysis of rollout {self.rollout_id} at {self.window_end}: {self.verdict}"
+
+
+class WebhookEndpoint(models.Model):
+    name = models.CharField(max_length=100, unique=True)
+    url = models.URLField(max_length=500)
+    secret = models.CharField(max_length=200)  # HMAC key; never returned by the API
+    events = models.JSONField(default=list)  # event names, or ["*"]
+    is_active = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def wants(self, event: str) -> bool:
+        return "*" in self.events or event in self.events
+
+
+class DeliveryStatus(models.TextChoices):
+    PENDING = "pending", "Pending"
+    SUCCEEDED = "succeeded", "Succeeded"
+    FAILED = "failed", "Failed"
+
+
+class WebhookDelivery(models.Model):
+    """An outbox row written in the transition's transaction; a Celery task sends it."""
+
+    endpoint = models.ForeignKey(
+        WebhookEndpoint, on_delete=models.CASCADE, related_name="deliveries"
+    )
+    event_id = models.UUIDField()
+    event = models.CharField(max_length=100)
+    payload = models.JSONField()
+    status = models.CharField(
+        max_length=20, choices=DeliveryStatus.choices, default=DeliveryStatus.PENDING
+    )
+    attempts = models.PositiveIntegerField(default=0)
+    last_status_code = models.PositiveIntegerField(null=True, blank=True)
+    last_error = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["endpoint", "event_id"], name="rollouts_one_delivery_per_event"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.event} to {self.endpoint_id}: {self.status}"

@@ -1,0 +1,305 @@
+"""Make Redis routing and the agents' loaded versions match each deployment's desired routing.
+
+Level-triggered: every pass reads the database as it is now and repairs whatever differs
+(a crash between a transition's commit and its routing write, a lost command, an agent
+that went away), so running it twice, or after any half-done step, is safe. Passes for
+one deployment are serialized by a Redis lock. The table routes only to ready agents:
+state ready, loaded version matching, seen within ROLLOUTS_AGENT_FRESH_S.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import redis
+from django.conf import settings
+from django.utils import timezone
+
+from contracts.routing import (
+    ROUTING_CHANNEL,
+    ROUTING_INDEX_KEY,
+    VersionRoute,
+    routing_key,
+    routing_table_build,
+)
+from controlplane.fleet.models import Agent, AgentCommand, AgentState, CommandKind, CommandStatus
+from controlplane.registry.models import ModelVersion
+from controlplane.rollouts import services
+from controlplane.rollouts.models import Deployment, Rollout, RolloutState
+
+logger = logging.getLogger(__name__)
+
+IN_FLIGHT_COMMANDS = (CommandStatus.PENDING, CommandStatus.ACCEPTED)
+
+
+@dataclass(slots=True)
+class ReconcileReport:
+    deployment: str
+    revision: int
+    weights: dict[int, int] = field(default_factory=dict)  # version id -> published weight
+    endpoints: dict[int, list[str]] = field(default_factory=dict)
+    loads: list[tuple[str, int]] = field(default_factory=list)  # (agent, version id) sent
+    drains: list[str] = field(default_factory=list)
+    rolled_back: bool = False
+    skipped: str = ""
+
+
+def redis_client() -> redis.Redis:
+    return redis.Redis.from_url(
+        settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=2, decode_responses=True
+    )
+
+
+def _is_ready(agent: Agent, version_id: int, fresh_after: Any) -> bool:
+    return (
+        agent.state == AgentState.READY
+        and agent.loaded_version_id == version_id
+        and bool(agent.endpoint)
+        and agent.last_seen is not None
+        and agent.last_seen >= fresh_after
+    )
+
+
+def routing_publish(
+    *,
+    client: redis.Redis,
+    deployment: str,
+    model: str,
+    versions: list[VersionRoute],
+) -> int:
+    """Write `routing:<deployment>`, index it and announce it; returns the generation.
+
+    The one place the reconciler writes the gateway's table. To be replaced by
+    `controlplane.gateway.services.routing_table_publish` once it exists.
+    """
+    generation = int(client.incr(f"rollouts:routing-generation:{deployment}"))
+    table = routing_table_build(
+        deployment=deployment,
+        model=model,
+        versions=versions,
+        generation=generation,
+        published_at=time.time(),
+    )
+    pipe = client.pipeline(transaction=True)
+    pipe.set(routing_key(deployment), table.to_json())
+    pipe.sadd(ROUTING_INDEX_KEY, deployment)
+    pipe.publish(ROUTING_CHANNEL, deployment)
+    pipe.execute()
+    return generation
+
+
+def reconcile_deployment(
+    *, deployment_id: int, client: redis.Redis | None = None
+) -> ReconcileReport:
+    own_client = client is None
+    client = client or redis_client()
+    try:
+        deployment = Deployment.objects.filter(pk=deployment_id).first()
+        if deployment is None:
+            return ReconcileReport(deployment=str(deployment_id), revision=0, skipped="gone")
+        lock = client.lock(
+            f"rollouts:reconcile:{deployment.name}",
+            timeout=settings.ROLLOUTS_RECONCILE_LOCK_S,
+            blocking_timeout=settings.ROLLOUTS_RECONCILE_LOCK_S,
+        )
+        if not lock.acquire():
+            return ReconcileReport(
+                deployment=deployment.name, revision=0, skipped="another pass holds the lock"
+            )
+        try:
+            return _reconcile(deployment_id, client)
+        finally:
+            try:
+                lock.release()
+            except redis.exceptions.LockError:
+                logger.warning("reconcile lock expired before release")
+    finally:
+        if own_client:
+            client.close()
+
+
+def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
+    # Re-read inside the lock: the newest committed desired routing wins.
+    deployment = Deployment.objects.select_related("stable_version__model").get(pk=deployment_id)
+    desired = deployment.desired_routing
+    report = ReconcileReport(deployment=deployment.name, revision=deployment.routing_revision)
+    now = timezone.now()
+    fresh_after = now - timedelta(seconds=settings.ROLLOUTS_AGENT_FRESH_S)
+    agents = list(Agent.objects.all())
+
+    stable_id = desired.get("stable_version_id") or deployment.stable_version_id
+    canary_id = desired.get("canary_version_id")
+    weight = int(desired.get("canary_weight") or 0)
+    tenants = desired.get("canary_tenants") or []
+
+    def ready_endpoints(version_id: int) -> list[str]:
+        return sorted(
+            agent.endpoint for agent in agents if _is_ready(agent, version_id, fresh_after)
+        )
+
+    # Fast path: every agent that served the canary is lost.
+    if canary_id is not None and weight > 0:
+        lost = [
+            a for a in agents if a.loaded_version_id == canary_id and a.state == AgentState.LOST
+        ]
+        if lost and not ready_endpoints(canary_id):
+            rollout = Rollout.objects.filter(
+                deployment=deployment, candidate_id=canary_id, state=RolloutState.RUNNING
+            ).first()
+            if rollout is not None:
+                try:
+                    services.rollout_rollback(
+                        actor=None,
+                        rollout_id=rollout.pk,
+                        reason="hard breach: every canary agent is lost: "
+                        + ", ".join(a.name for a in lost),
+                        expected_state=RolloutState.RUNNING,
+                        extra={"hard_breach": True},
+                    )
+                    report.rolled_back = True
+                except services.Conflict:
+                    pass
+                deployment.refresh_from_db()
+                desired = deployment.desired_routing
+                report.revision = deployment.routing_revision
+                canary_id, weight, tenants = None, 0, []
+
+    # Routing: only ready agents; a canary without one (or tenant-scoped, which the table
+    # cannot express yet) gets weight 0 and the stable version keeps every request.
+    stable_endpoints = ready_endpoints(stable_id)
+    canary_endpoints = ready_endpoints(canary_id) if canary_id is not None else []
+    effective = weight if canary_endpoints and not tenants else 0
+    labels = dict(
+        ModelVersion.objects.filter(pk__in=[stable_id, canary_id or 0]).values_list("pk", "label")
+    )
+    versions = []
+    if 100 - effective > 0 or not canary_endpoints:
+        versions.append(
+            VersionRoute(
+                version_id=stable_id,
+                label=labels.get(stable_id, str(stable_id)),
+                weight=max(100 - effective, 0) or 100,
+                endpoints=tuple(stable_endpoints),
+            )
+        )
+    if canary_id is not None and effective > 0:
+        versions.append(
+            VersionRoute(
+                version_id=canary_id,
+                label=labels.get(canary_id, str(canary_id)),
+                weight=effective,
+                endpoints=tuple(canary_endpoints),
+            )
+        )
+    routing_publish(
+        client=client,
+        deployment=deployment.name,
+        model=deployment.stable_version.model.name,
+        versions=versions,
+    )
+    report.weights = {v.version_id: v.weight for v in versions}
+    report.endpoints = {v.version_id: list(v.endpoints) for v in versions}
+    Deployment.objects.filter(
+        pk=deployment.pk, applied_revision__lt=deployment.routing_revision
+    ).update(applied_revision=deployment.routing_revision)
+
+    _converge_agents(deployment, desired, agents, fresh_after, client, report)
+    return report
+
+
+def _needed_versions() -> set[int]:
+    needed: set[int] = set()
+    for routing in Deployment.objects.values_list("desired_routing", flat=True):
+        needed.update(routing.get("preload_version_ids") or [])
+        if routing.get("stable_version_id"):
+            needed.add(routing["stable_version_id"])
+    return needed
+
+
+def _converge_agents(
+    deployment: Deployment,
+    desired: dict[str, Any],
+    agents: list[Agent],
+    fresh_after: Any,
+    client: redis.Redis,
+    report: ReconcileReport,
+) -> None:
+    """Load each needed version on one agent; drain agents whose version nobody needs."""
+    from controlplane.fleet import services as fleet_services
+
+    needed = _needed_versions()
+    alive = [
+        a
+        for a in agents
+        if a.state != AgentState.LOST and a.last_seen and a.last_seen >= fresh_after
+    ]
+    in_flight = set(
+        AgentCommand.objects.filter(
+            status__in=IN_FLIGHT_COMMANDS,
+            created_at__gte=timezone.now() - timedelta(seconds=settings.ROLLOUTS_COMMAND_WAIT_S),
+        ).values_list("agent_id", flat=True)
+    )
+
+    def busy(agent: Agent) -> bool:
+        return agent.pk in in_flight or agent.state in {AgentState.LOADING, AgentState.WARMING}
+
+    for version_id in desired.get("preload_version_ids") or []:
+        serving = [
+            a for a in alive if a.loaded_version_id == version_id and a.state != AgentState.DRAINING
+        ]
+        if serving:
+            continue
+        spare = [
+            a
+            for a in alive
+            if not busy(a)
+            and (a.state == AgentState.IDLE or (a.loaded_version_id not in needed))
+            and a.state != AgentState.DRAINING
+        ]
+        if not spare:
+            continue
+        agent = spare[0]
+        try:
+            fleet_services.agent_command_send(
+                actor=None,
+                agent_name=agent.name,
+                kind=CommandKind.LOAD,
+                version_id=version_id,
+                served_model_name=deployment.name,
+                reason=f"reconcile {deployment.name} revision {deployment.routing_revision}",
+            )
+            report.loads.append((agent.name, version_id))
+            in_flight.add(agent.pk)
+            agent.loaded_version_id = version_id  # not spare for the next version of this pass
+            agent.state = AgentState.LOADING
+        except services.DomainError as exc:
+            logger.warning("load not sent", extra={"agent": agent.name, "error": exc.message})
+
+    grace = settings.ROLLOUTS_DRAIN_GRACE_S
+    for agent in alive:
+        if agent.state != AgentState.READY or agent.loaded_version_id is None or busy(agent):
+            continue
+        retire_key = f"rollouts:retire:{agent.name}:{agent.loaded_version_id}"
+        if agent.loaded_version_id in needed:
+            client.delete(retire_key)
+            continue
+        # First seen unneeded now; drained after the gateways have dropped it from their tables.
+        client.set(retire_key, str(time.time()), nx=True, ex=3600)
+        since = float(client.get(retire_key) or time.time())
+        if time.time() - since < grace:
+            continue
+        try:
+            fleet_services.agent_command_send(
+                actor=None,
+                agent_name=agent.name,
+                kind=CommandKind.DRAIN,
+                reason=f"version {agent.loaded_version_id} is no longer routed",
+            )
+            report.drains.append(agent.name)
+            client.delete(retire_key)
+        except services.DomainError as exc:
+            logger.warning("drain not sent", extra={"agent": agent.name, "error": exc.message})

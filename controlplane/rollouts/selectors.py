@@ -1,0 +1,111 @@
+"""Rollout reads: lists for the API, and the request samples analysis compares."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from django.db.models import QuerySet
+
+from controlplane.gateway.models import EnergyAllocation, RequestSample
+from controlplane.rollouts.analysis import Samples
+from controlplane.rollouts.models import (
+    AnalysisRun,
+    Deployment,
+    Rollout,
+    RolloutState,
+    WebhookDelivery,
+    WebhookEndpoint,
+)
+
+
+def deployment_list() -> QuerySet[Deployment]:
+    return Deployment.objects.select_related("stable_version", "stable_version__model")
+
+
+def rollout_list() -> QuerySet[Rollout]:
+    return Rollout.objects.select_related(
+        "deployment", "baseline", "candidate", "created_by"
+    ).prefetch_related("required_suites")
+
+
+def rollouts_running() -> QuerySet[Rollout]:
+    return Rollout.objects.filter(state=RolloutState.RUNNING)
+
+
+def analysis_run_list(*, rollout: Rollout) -> QuerySet[AnalysisRun]:
+    return AnalysisRun.objects.filter(rollout=rollout)
+
+
+def webhook_endpoint_list() -> QuerySet[WebhookEndpoint]:
+    return WebhookEndpoint.objects.all()
+
+
+def webhook_delivery_list() -> QuerySet[WebhookDelivery]:
+    return WebhookDelivery.objects.select_related("endpoint")
+
+
+def request_samples_window(
+    *,
+    version_id: int,
+    start: datetime,
+    end: datetime,
+    tenant_slugs: Sequence[str] | None = None,
+) -> Samples:
+    """One version's samples finished in (start, end], latencies in milliseconds.
+
+    ITL is each request's mean inter-token latency; TTFT and ITL exist for streamed
+    requests only, errors for every request. Joules per token come from the gateway's
+    energy attribution for intervals ending in the window.
+    """
+    rows = RequestSample.objects.filter(
+        version_id=version_id, finished_at__gt=start, finished_at__lte=end
+    )
+    if tenant_slugs:
+        rows = rows.filter(tenant__slug__in=list(tenant_slugs))
+    ttft: list[float] = []
+    itl: list[float] = []
+    errors: list[bool] = []
+    for is_error, ttft_s, itl_s in rows.values_list("is_error", "ttft_s", "itl_mean_s"):
+        errors.append(bool(is_error))
+        if ttft_s is not None and not is_error:
+            ttft.append(ttft_s * 1000.0)
+        if itl_s is not None and not is_error:
+            itl.append(itl_s * 1000.0)
+    return Samples(
+        ttft_ms=ttft,
+        itl_ms=itl,
+        errors=errors,
+        joules_per_token=joules_per_token(version_id=version_id, start=start, end=end),
+    )
+
+
+def joules_per_token(*, version_id: int, start: datetime, end: datetime) -> float | None:
+    joules = 0.0
+    tokens = 0
+    allocations = EnergyAllocation.objects.filter(
+        interval_end__gt=start, interval_end__lte=end
+    ).values_list("shares", flat=True)
+    for shares in allocations:
+        for share in shares or []:
+            if share.get("version_id") == version_id:
+                joules += float(share.get("joules", 0.0))
+                tokens += int(share.get("tokens", 0))
+    return joules / tokens if tokens else None
+
+
+def request_count(*, version_id: int, start: datetime, end: datetime) -> int:
+    return RequestSample.objects.filter(
+        version_id=version_id, finished_at__gt=start, finished_at__lte=end
+    ).count()
+
+
+def recent_error_flags(*, version_id: int, since: datetime, limit: int) -> list[bool]:
+    """The error flags of the version's last `limit` requests since `since`, oldest first."""
+    flags = list(
+        RequestSample.objects.filter(version_id=version_id, finished_at__gt=since)
+        .order_by("-finished_at", "-id")
+        .values_list("is_error", flat=True)[:limit]
+    )
+    flags.reverse()
+    return flags

@@ -1,0 +1,152 @@
+from rest_framework import serializers
+
+from controlplane.accounts.api_base import StrictSerializer
+from controlplane.registry.models import EvalSuite, ModelVersion
+from controlplane.rollouts.models import (
+    AnalysisRun,
+    Deployment,
+    Rollout,
+    RolloutState,
+    WebhookDelivery,
+    WebhookEndpoint,
+)
+
+
+class DeploymentSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Deployment
+        fields = [
+            "id",
+            "name",
+            "stable_version",
+            "desired_routing",
+            "routing_revision",
+            "applied_revision",
+            "created_at",
+            "updated_at",
+        ]
+
+
+class DeploymentCreateSerializer(StrictSerializer):
+    name = serializers.CharField(max_length=100)
+    stable_version = serializers.PrimaryKeyRelatedField(queryset=ModelVersion.objects.all())
+    reason = serializers.CharField(required=False, allow_blank=True, default="")
+
+
+class RolloutSerializer(serializers.ModelSerializer):
+    deployment = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    required_suites = serializers.SlugRelatedField(slug_field="name", many=True, read_only=True)
+    canary_weight = serializers.SerializerMethodField()
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+
+    class Meta:
+        model = Rollout
+        fields = [
+            "id",
+            "deployment",
+            "baseline",
+            "candidate",
+            "stages",
+            "policy",
+            "required_suites",
+            "state",
+            "stage_index",
+            "stage_started_at",
+            "stage_extensions",
+            "canary_weight",
+            "paused_from",
+            "state_reason",
+            "gate_reasons",
+            "revision",
+            "attempt",
+            "created_by",
+            "created_at",
+            "updated_at",
+            "finished_at",
+        ]
+
+    def get_canary_weight(self, rollout: Rollout) -> int:
+        return int(rollout.deployment.desired_routing.get("canary_weight") or 0)
+
+
+class StageSerializer(StrictSerializer):
+    weight = serializers.IntegerField(min_value=1, max_value=100)
+    min_duration_s = serializers.FloatField(min_value=0, required=False, default=60)
+    min_requests = serializers.IntegerField(min_value=0, required=False, default=0)
+    tenants = serializers.ListField(child=serializers.SlugField(), required=False, default=list)
+
+
+class RolloutCreateSerializer(StrictSerializer):
+    deployment = serializers.SlugRelatedField(slug_field="name", queryset=Deployment.objects.all())
+    candidate = serializers.PrimaryKeyRelatedField(queryset=ModelVersion.objects.all())
+    stages = StageSerializer(many=True, required=False, allow_null=True, default=None)
+    policy = serializers.DictField(required=False, default=dict)
+    required_suites = serializers.SlugRelatedField(
+        slug_field="name", queryset=EvalSuite.objects.all(), many=True, required=False, default=list
+    )
+    reason = serializers.CharField(required=False, allow_blank=True, default="")
+
+
+class TransitionSerializer(StrictSerializer):
+    """Every manual action names a reason; the expected_* fields make it compare-and-set."""
+
+    reason = serializers.CharField(max_length=2000)
+    expected_state = serializers.ChoiceField(choices=RolloutState.choices, required=False)
+    expected_stage = serializers.IntegerField(min_value=0, required=False)
+    expected_revision = serializers.IntegerField(min_value=0, required=False)
+
+
+class PromoteSerializer(TransitionSerializer):
+    full = serializers.BooleanField(required=False, default=False)
+
+
+class AnalysisRunSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = AnalysisRun
+        fields = [
+            "id",
+            "stage_index",
+            "attempt",
+            "window_start",
+            "window_end",
+            "baseline",
+            "canary",
+            "tests",
+            "verdict",
+            "reasons",
+            "action",
+            "created_at",
+        ]
+
+
+class WebhookEndpointSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = WebhookEndpoint
+        fields = ["id", "name", "url", "events", "is_active", "created_at"]  # never the secret
+
+
+class WebhookEndpointCreateSerializer(StrictSerializer):
+    name = serializers.CharField(max_length=100)
+    url = serializers.URLField(max_length=500)
+    secret = serializers.CharField(min_length=16, max_length=200, write_only=True)
+    events = serializers.ListField(child=serializers.CharField(max_length=100))
+
+
+class WebhookDeliverySerializer(serializers.ModelSerializer):
+    endpoint = serializers.SlugRelatedField(slug_field="name", read_only=True)
+
+    class Meta:
+        model = WebhookDelivery
+        fields = [
+            "id",
+            "endpoint",
+            "event_id",
+            "event",
+            "payload",
+            "status",
+            "attempts",
+            "last_status_code",
+            "last_error",
+            "created_at",
+            "delivered_at",
+        ]

@@ -1,0 +1,83 @@
+"""Celery tasks: thin, id-only, idempotent. Each fetches by id and calls one domain function.
+
+- `rollouts.reconcile` / `rollouts.reconcile_all`: routing and agents match the database.
+- `rollouts.gate`: pending -> gating -> running once required evaluations pass.
+- `rollouts.analyze_all` (beat) -> `rollouts.analyze` per running rollout and tick.
+- `rollouts.webhook_deliver`: one signed POST, retried with backoff on transient errors.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+
+import httpx
+from celery import shared_task
+from django.conf import settings
+from django.utils import timezone
+
+from controlplane.rollouts import reconciler, services, webhooks
+from controlplane.rollouts.models import Deployment, Rollout, RolloutState
+
+logger = logging.getLogger(__name__)
+
+TASK_OPTIONS = {"acks_late": True, "reject_on_worker_lost": True, "ignore_result": True}
+
+
+@shared_task(name="rollouts.reconcile", **TASK_OPTIONS)
+def reconcile_deployment(deployment_id: int) -> None:
+    report = reconciler.reconcile_deployment(deployment_id=deployment_id)
+    logger.info("reconciled", extra={"deployment": report.deployment, "revision": report.revision})
+
+
+@shared_task(name="rollouts.reconcile_all", **TASK_OPTIONS)
+def reconcile_all() -> None:
+    for deployment_id in Deployment.objects.values_list("pk", flat=True):
+        reconcile_deployment.delay(deployment_id)
+
+
+@shared_task(name="rollouts.gate", **TASK_OPTIONS)
+def rollout_gate(rollout_id: int) -> None:
+    services.rollout_gate_check(rollout_id=rollout_id)
+
+
+def analysis_tick(now: datetime | None = None) -> datetime:
+    """The window end of the current tick: now, floored to the analysis interval."""
+    now = now or timezone.now()
+    interval = settings.ROLLOUTS_ANALYSIS_INTERVAL_S
+    floored = int(now.timestamp() // interval * interval)
+    return datetime.fromtimestamp(floored, tz=UTC)
+
+
+@shared_task(name="rollouts.analyze_all", **TASK_OPTIONS)
+def analyze_all() -> None:
+    """Beat: analyze each running rollout for this tick; re-check gating ones."""
+    window_end = analysis_tick().isoformat()
+    for rollout_id in Rollout.objects.filter(state=RolloutState.RUNNING).values_list(
+        "pk", flat=True
+    ):
+        rollout_analyze.delay(rollout_id, window_end)
+    for rollout_id in Rollout.objects.filter(
+        state__in=[RolloutState.PENDING, RolloutState.GATING]
+    ).values_list("pk", flat=True):
+        rollout_gate.delay(rollout_id)
+
+
+@shared_task(name="rollouts.analyze", **TASK_OPTIONS)
+def rollout_analyze(rollout_id: int, window_end: str) -> None:
+    services.rollout_analyze(rollout_id=rollout_id, window_end=datetime.fromisoformat(window_end))
+
+
+@shared_task(
+    name="rollouts.webhook_deliver",
+    acks_late=True,
+    reject_on_worker_lost=True,
+    ignore_result=True,
+    autoretry_for=(httpx.TransportError, webhooks.TransientDeliveryError),
+    retry_backoff=2,
+    retry_backoff_max=300,
+    retry_jitter=True,
+    max_retries=8,
+)
+def webhook_deliver(delivery_id: int) -> None:
+    webhooks.delivery_send(delivery_id=delivery_id)

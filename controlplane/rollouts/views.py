@@ -1,0 +1,166 @@
+"""Rollouts API: thin views that parse, fetch by id, call one service and serialize.
+
+Reads: staff (admin, release manager, on-call, viewer). Create, promote, resume, abort,
+retry: release managers and admins (`can_steer_rollouts`). Pause and roll back: also
+on-call (`can_pause_or_rollback`). Webhooks: release managers and admins.
+"""
+
+from typing import Any
+
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from controlplane.accounts import access
+from controlplane.accounts.permissions import allows, allows_by_method
+from controlplane.rollouts import selectors, services
+from controlplane.rollouts.serializers import (
+    AnalysisRunSerializer,
+    DeploymentCreateSerializer,
+    DeploymentSerializer,
+    PromoteSerializer,
+    RolloutCreateSerializer,
+    RolloutSerializer,
+    TransitionSerializer,
+    WebhookDeliverySerializer,
+    WebhookEndpointCreateSerializer,
+    WebhookEndpointSerializer,
+)
+
+ReadStaffSteer = allows_by_method(read=access.is_staff_reader, write=access.can_steer_rollouts)
+
+
+class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    permission_classes = [ReadStaffSteer]
+    serializer_class = DeploymentSerializer
+    filterset_fields = ["name"]
+    ordering_fields = ["name", "created_at"]
+
+    def get_queryset(self):
+        return selectors.deployment_list()
+
+    @extend_schema(request=DeploymentCreateSerializer, responses={201: DeploymentSerializer})
+    def create(self, request: Request) -> Response:
+        serializer = DeploymentCreateSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        deployment = services.deployment_create(actor=request.user, **serializer.validated_data)
+        return Response(DeploymentSerializer(deployment).data, status=status.HTTP_201_CREATED)
+
+
+class RolloutViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Rollouts: pending -> gating -> running (stages) -> promoted; see docs/rollouts.md."""
+
+    permission_classes = [ReadStaffSteer]
+    serializer_class = RolloutSerializer
+    filterset_fields = ["state", "deployment__name", "candidate"]
+    ordering_fields = ["created_at", "state"]
+
+    def get_queryset(self):
+        return selectors.rollout_list()
+
+    def _respond(self, rollout: Any) -> Response:
+        return Response(RolloutSerializer(selectors.rollout_list().get(pk=rollout.pk)).data)
+
+    @extend_schema(request=RolloutCreateSerializer, responses={201: RolloutSerializer})
+    def create(self, request: Request) -> Response:
+        serializer = RolloutCreateSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        stages = data["stages"]
+        rollout = services.rollout_create(
+            actor=request.user,
+            deployment=data["deployment"],
+            candidate=data["candidate"],
+            stages=[dict(stage) for stage in stages] if stages is not None else None,
+            policy=data["policy"],
+            required_suites=data["required_suites"],
+            reason=data["reason"],
+        )
+        rollout = selectors.rollout_list().get(pk=rollout.pk)
+        return Response(RolloutSerializer(rollout).data, status=status.HTTP_201_CREATED)
+
+    def _transition(
+        self, request: Request, pk: str, service: Any, serializer_class: Any
+    ) -> Response:
+        rollout = self.get_object()
+        serializer = serializer_class(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        result = service(actor=request.user, rollout_id=rollout.pk, **serializer.validated_data)
+        return self._respond(result)
+
+    @extend_schema(request=PromoteSerializer, responses={200: RolloutSerializer})
+    @action(detail=True, methods=["post"])
+    def promote(self, request: Request, pk: str) -> Response:
+        """Next stage (or promoted after the last); `full: true` promotes at once."""
+        return self._transition(request, pk, services.rollout_advance, PromoteSerializer)
+
+    @extend_schema(request=TransitionSerializer, responses={200: RolloutSerializer})
+    @action(
+        detail=True, methods=["post"], permission_classes=[allows(access.can_pause_or_rollback)]
+    )
+    def pause(self, request: Request, pk: str) -> Response:
+        return self._transition(request, pk, services.rollout_pause, TransitionSerializer)
+
+    @extend_schema(request=TransitionSerializer, responses={200: RolloutSerializer})
+    @action(detail=True, methods=["post"])
+    def resume(self, request: Request, pk: str) -> Response:
+        return self._transition(request, pk, services.rollout_resume, TransitionSerializer)
+
+    @extend_schema(request=TransitionSerializer, responses={200: RolloutSerializer})
+    @action(
+        detail=True,
+        methods=["post"],
+        url_path="rollback",
+        permission_classes=[allows(access.can_pause_or_rollback)],
+    )
+    def rollback(self, request: Request, pk: str) -> Response:
+        return self._transition(request, pk, services.rollout_rollback, TransitionSerializer)
+
+    @extend_schema(request=TransitionSerializer, responses={200: RolloutSerializer})
+    @action(detail=True, methods=["post"])
+    def abort(self, request: Request, pk: str) -> Response:
+        return self._transition(request, pk, services.rollout_abort, TransitionSerializer)
+
+    @extend_schema(request=TransitionSerializer, responses={200: RolloutSerializer})
+    @action(detail=True, methods=["post"])
+    def retry(self, request: Request, pk: str) -> Response:
+        return self._transition(request, pk, services.rollout_retry, TransitionSerializer)
+
+    @extend_schema(responses={200: AnalysisRunSerializer(many=True)})
+    @action(detail=True, methods=["get"], url_path="analysis-runs")
+    def analysis_runs(self, request: Request, pk: str) -> Response:
+        rollout = self.get_object()
+        page = self.paginate_queryset(selectors.analysis_run_list(rollout=rollout))
+        return self.get_paginated_response(AnalysisRunSerializer(page, many=True).data)
+
+
+class WebhookEndpointViewSet(
+    mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet
+):
+    permission_classes = [ReadStaffSteer]
+    serializer_class = WebhookEndpointSerializer
+
+    def get_queryset(self):
+        return selectors.webhook_endpoint_list()
+
+    @extend_schema(
+        request=WebhookEndpointCreateSerializer, responses={201: WebhookEndpointSerializer}
+    )
+    def create(self, request: Request) -> Response:
+        serializer = WebhookEndpointCreateSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        endpoint = services.webhook_endpoint_create(actor=request.user, **serializer.validated_data)
+        return Response(WebhookEndpointSerializer(endpoint).data, status=status.HTTP_201_CREATED)
+
+    def destroy(self, request: Request, pk: str) -> Response:
+        services.webhook_endpoint_delete(actor=request.user, endpoint=self.get_object())
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(responses={200: WebhookDeliverySerializer(many=True)})
+    @action(detail=True, methods=["get"])
+    def deliveries(self, request: Request, pk: str) -> Response:
+        endpoint = self.get_object()
+        page = self.paginate_queryset(selectors.webhook_delivery_list().filter(endpoint=endpoint))
+        return self.get_paginated_response(WebhookDeliverySerializer(page, many=True).data)

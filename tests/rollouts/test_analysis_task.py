@@ -1,0 +1,133 @@
+"""The analysis task on real request samples: advance, roll back, idempotent per tick."""
+
+from datetime import timedelta
+
+from django.utils import timezone
+
+from controlplane.audit.models import AuditEvent
+from controlplane.rollouts import services
+from controlplane.rollouts.models import AnalysisRun, Deployment, Rollout
+from controlplane.rollouts.tasks import analysis_tick, rollout_analyze
+from tests.rollouts.conftest import add_samples, backdate_stage, running_rollout
+
+POLICY = {"min_samples": 20, "alpha": 0.01}
+STAGES = [
+    {"weight": 10, "min_duration_s": 60, "min_requests": 20},
+    {"weight": 100, "min_duration_s": 60, "min_requests": 20},
+]
+
+
+def test_a_healthy_canary_advances_once_per_tick(deployment, versions, tenant) -> None:
+    rollout = backdate_stage(
+        running_rollout(deployment, versions[1], stages=STAGES, policy=POLICY), 120
+    )
+    window_end = analysis_tick()
+    start = window_end - timedelta(seconds=50)
+    add_samples(
+        version=versions[0], tenant=tenant, start=start, ttft_ms=[100.0 + i % 9 for i in range(40)]
+    )
+    add_samples(
+        version=versions[1], tenant=tenant, start=start, ttft_ms=[100.0 + i % 7 for i in range(30)]
+    )
+
+    rollout_analyze.apply(args=[rollout.pk, window_end.isoformat()])
+    rollout_analyze.apply(args=[rollout.pk, window_end.isoformat()])  # delivered twice
+
+    run = AnalysisRun.objects.get()
+    assert (run.verdict, run.action, run.stage_index) == ("pass", "advance", 0)
+    assert (run.canary["requests"], run.baseline["requests"], run.canary["requests_in_stage"]) == (
+        30,
+        40,
+        30,
+    )
+    rollout.refresh_from_db()
+    assert (rollout.state, rollout.stage_index) == ("running", 1)
+    assert Deployment.objects.get().desired_routing["canary_weight"] == 100
+    advance = (
+        AuditEvent.objects.filter(object_id=str(rollout.pk), action="rollout.stage_start")
+        .order_by("id")
+        .last()
+    )
+    assert advance.actor_name == "system"
+    assert advance.reason.startswith(f"analysis {run.pk}: pass: canary within every limit")
+
+
+def test_a_slow_canary_is_rolled_back_before_the_stage_ends(deployment, versions, tenant) -> None:
+    rollout = backdate_stage(
+        running_rollout(deployment, versions[1], stages=STAGES, policy=POLICY), 10
+    )
+    window_end = analysis_tick(timezone.now() + timedelta(seconds=30))
+    start = window_end - timedelta(seconds=8)
+    add_samples(
+        version=versions[0], tenant=tenant, start=start, ttft_ms=[100.0 + i % 9 for i in range(40)]
+    )
+    add_samples(
+        version=versions[1], tenant=tenant, start=start, ttft_ms=[400.0 + i % 7 for i in range(30)]
+    )
+
+    rollout_analyze.apply(args=[rollout.pk, window_end.isoformat()])
+
+    run = AnalysisRun.objects.get()
+    assert (run.verdict, run.action) == ("fail", "rollback")
+    assert run.reasons[0].startswith("TTFT is higher on the canary than on the baseline")
+    rollout.refresh_from_db()
+    assert rollout.state == "rolled_back"
+    assert Deployment.objects.get().desired_routing["canary_weight"] == 0
+    event = AuditEvent.objects.get(object_id=str(rollout.pk), action="rollout.rollback")
+    assert event.after["analysis_run_id"] == run.pk
+    assert event.after["verdict"] == "fail"
+
+
+def test_too_little_traffic_extends_then_fails(deployment, versions, tenant) -> None:
+    policy = {**POLICY, "max_extensions": 1, "extension_s": 30}
+    rollout = backdate_stage(
+        running_rollout(deployment, versions[1], stages=STAGES, policy=policy), 120
+    )
+    first = analysis_tick()
+    rollout_analyze.apply(args=[rollout.pk, first.isoformat()])
+    rollout.refresh_from_db()
+    assert (rollout.state, rollout.stage_extensions) == ("running", 1)
+    rollout_analyze.apply(args=[rollout.pk, (first + timedelta(seconds=10)).isoformat()])
+    rollout.refresh_from_db()
+    assert (rollout.state, rollout.state_reason.split(": ")[1]) == ("failed", "inconclusive")
+    assert list(AnalysisRun.objects.order_by("id").values_list("action", flat=True)) == [
+        "extend",
+        "fail",
+    ]
+
+
+def test_a_paused_rollout_is_not_analyzed(deployment, versions) -> None:
+    rollout = running_rollout(deployment, versions[1], stages=STAGES, policy=POLICY)
+    services.rollout_pause(actor=None, rollout_id=rollout.pk, reason="hold on")
+    rollout_analyze.apply(args=[rollout.pk, analysis_tick().isoformat()])
+    assert AnalysisRun.objects.count() == 0
+
+
+def test_hard_breach_rolls_back_at_once(deployment, versions, tenant) -> None:
+    policy = {**POLICY, "hard_breach_window": 10, "hard_error_rate_max": 0.5}
+    backdate_stage(running_rollout(deployment, versions[1], stages=STAGES, policy=policy), 5)
+    start = timezone.now() - timedelta(seconds=4)
+    add_samples(
+        version=versions[1],
+        tenant=tenant,
+        start=start,
+        ttft_ms=[100.0] * 10,
+        errors=[True] * 5 + [False] * 5,
+    )
+    assert services.rollout_check_hard_breach(version_id=versions[1].pk) is None
+    assert services.rollout_check_hard_breach(version_id=versions[0].pk) is None  # not a canary
+
+    add_samples(
+        version=versions[1],
+        tenant=tenant,
+        start=start + timedelta(seconds=2),
+        ttft_ms=[100.0] * 6,
+        errors=[True] * 6,
+    )
+    rolled_back = services.rollout_check_hard_breach(version_id=versions[1].pk)
+    assert rolled_back is not None and rolled_back.state == "rolled_back"
+    assert rolled_back.state_reason == (
+        "hard breach: error rate 0.60 in the last 10 canary requests is over 0.5"
+    )
+    assert services.rollout_check_hard_breach(version_id=versions[1].pk) is None  # once
+    assert Rollout.objects.get().state == "rolled_back"

@@ -1,0 +1,93 @@
+"""The reconciler writes the gateway's routing table from the database, ready agents only."""
+
+from datetime import timedelta
+
+from django.utils import timezone
+
+from contracts.routing import parse_routing_table, routing_key
+from controlplane.fleet.models import Agent
+from controlplane.rollouts import reconciler, services
+from controlplane.rollouts.models import Deployment, Rollout
+from tests.rollouts.conftest import running_rollout
+
+
+def agent(name: str, version, state: str = "ready", seen_ago_s: float = 1.0) -> Agent:
+    now = timezone.now()
+    return Agent.objects.create(
+        name=name,
+        host="localhost",
+        endpoint=f"http://127.0.0.1:{9000 + Agent.objects.count()}",
+        state=state,
+        loaded_version=version,
+        last_seen=now - timedelta(seconds=seen_ago_s),
+        registered_at=now,
+    )
+
+
+def table(redis_client, name="smollm2"):
+    return parse_routing_table(redis_client.get(routing_key(name)))
+
+
+def weights(redis_client) -> dict[int, tuple[int, tuple[str, ...]]]:
+    return {v.version_id: (v.weight, v.endpoints) for v in table(redis_client).versions}
+
+
+def test_stable_only_then_canary_when_its_agent_is_ready(
+    deployment, versions, redis_client
+) -> None:
+    stable, candidate = versions
+    agent("gpu-0", stable)
+    reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
+    assert weights(redis_client) == {stable.pk: (100, ("http://127.0.0.1:9000",))}
+    assert table(redis_client).model == "smollm2"
+
+    running_rollout(deployment, candidate)
+    canary = agent("gpu-1", candidate, state="warming")
+    reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
+    assert weights(redis_client) == {stable.pk: (100, ("http://127.0.0.1:9000",))}  # not ready
+
+    Agent.objects.filter(pk=canary.pk).update(state="ready")
+    report = reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
+    assert weights(redis_client) == {
+        stable.pk: (95, ("http://127.0.0.1:9000",)),
+        candidate.pk: (5, ("http://127.0.0.1:9001",)),
+    }
+    deployment.refresh_from_db()
+    assert deployment.applied_revision == deployment.routing_revision == report.revision
+
+
+def test_a_stale_heartbeat_is_not_ready(deployment, versions, redis_client) -> None:
+    agent("gpu-0", versions[0], seen_ago_s=60)
+    reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
+    assert weights(redis_client) == {versions[0].pk: (100, ())}
+
+
+def test_reconcile_repairs_a_lost_write_and_is_idempotent(
+    deployment, versions, redis_client
+) -> None:
+    agent("gpu-0", versions[0])
+    agent("gpu-1", versions[1])
+    rollout = running_rollout(deployment, versions[1])
+    services.rollout_rollback(actor=None, rollout_id=rollout.pk, reason="drill")
+    # The transition committed but its reconcile never ran (a crash): Redis is stale or empty.
+    redis_client.delete(routing_key("smollm2"))
+    for _ in range(2):
+        reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
+        assert weights(redis_client) == {versions[0].pk: (100, ("http://127.0.0.1:9000",))}
+    first = table(redis_client).generation
+    reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
+    assert table(redis_client).generation == first + 1
+
+
+def test_every_canary_agent_lost_rolls_back(deployment, versions, redis_client) -> None:
+    agent("gpu-0", versions[0])
+    agent("gpu-1", versions[1], state="lost")
+    rollout = running_rollout(deployment, versions[1])
+    report = reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
+    assert report.rolled_back is True
+    assert Rollout.objects.get(pk=rollout.pk).state == "rolled_back"
+    assert Rollout.objects.get(pk=rollout.pk).state_reason == (
+        "hard breach: every canary agent is lost: gpu-1"
+    )
+    assert weights(redis_client) == {versions[0].pk: (100, ("http://127.0.0.1:9000",))}
+    assert Deployment.objects.get().desired_routing["canary_weight"] == 0

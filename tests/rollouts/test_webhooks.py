@@ -1,0 +1,110 @@
+"""Outgoing webhooks: signed, delivered once, retried only on transient answers."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from controlplane.rollouts import webhooks
+from controlplane.rollouts.models import WebhookDelivery
+from controlplane.rollouts.tasks import webhook_deliver
+from tests.rollouts.conftest import running_rollout
+
+SECRET = "s3cret-for-webhook-tests"
+
+
+@pytest.fixture
+def receiver():
+    received: list[tuple[dict[str, str], bytes]] = []
+    answers: list[int] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.append((dict(self.headers), body))
+            self.send_response(answers.pop(0) if answers else 204)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hook", received, answers
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_transition_is_delivered_signed_and_only_once(
+    api, deployment, versions, receiver
+) -> None:
+    url, received, _ = receiver
+    response = api("release_manager").post(
+        "/api/v1/webhooks/",
+        {"name": "ops", "url": url, "secret": SECRET, "events": ["rollout.rollback"]},
+        format="json",
+    )
+    assert response.status_code == 201
+    assert "secret" not in response.json()
+    rollout = running_rollout(deployment, versions[1])
+    assert WebhookDelivery.objects.count() == 0  # not subscribed to these events
+    api("on_call").post(
+        f"/api/v1/rollouts/{rollout.pk}/rollback/", {"reason": "drill"}, format="json"
+    )
+    delivery = WebhookDelivery.objects.get()
+    assert delivery.event == "rollout.rollback"
+
+    webhook_deliver.apply(args=[delivery.pk])
+    webhook_deliver.apply(args=[delivery.pk])  # delivered twice: sent once
+
+    assert len(received) == 1
+    headers, body = received[0]
+    assert webhooks.signature_verify(
+        secret=SECRET, header=headers["X-Rollout-Signature"], body=body
+    )
+    assert not webhooks.signature_verify(
+        secret="wrong", header=headers["X-Rollout-Signature"], body=body
+    )
+    assert headers["X-Rollout-Delivery"] == str(delivery.event_id)
+    payload = json.loads(body)
+    assert (payload["event"], payload["state"], payload["reason"], payload["canary_weight"]) == (
+        "rollout.rollback",
+        "rolled_back",
+        "drill",
+        0,
+    )
+    delivery.refresh_from_db()
+    assert (delivery.status, delivery.attempts, delivery.last_status_code) == ("succeeded", 1, 204)
+
+
+def test_a_server_error_is_transient_and_a_client_error_is_final(
+    deployment, versions, receiver
+) -> None:
+    from controlplane.rollouts import services
+
+    url, received, answers = receiver
+    services.webhook_endpoint_create(actor=None, name="ops", url=url, secret=SECRET, events=["*"])
+    running_rollout(deployment, versions[1])
+    first, *_ = WebhookDelivery.objects.order_by("id")
+    answers.extend([503, 404])
+    with pytest.raises(webhooks.TransientDeliveryError):
+        webhooks.delivery_send(delivery_id=first.pk)
+    first.refresh_from_db()
+    assert (first.status, first.attempts, first.last_status_code) == ("pending", 1, 503)
+    webhooks.delivery_send(delivery_id=first.pk)
+    first.refresh_from_db()
+    assert (first.status, first.attempts, first.last_status_code) == ("failed", 2, 404)
+    assert len(received) == 2
+
+
+def test_signature_is_hmac_sha256_over_timestamp_and_body() -> None:
+    import hashlib
+    import hmac
+
+    header = webhooks.signature_header(secret="k", timestamp=1700000000, body=b'{"a":1}')
+    expected = hmac.new(b"k", b'1700000000.{"a":1}', hashlib.sha256).hexdigest()
+    assert header == f"t=1700000000,v1={expected}"
+    assert webhooks.signature_verify(secret="k", header=header, body=b'{"a":1}', now=1700000100)
+    assert not webhooks.signature_verify(secret="k", header=header, body=b'{"a":1}', now=1700001000)
