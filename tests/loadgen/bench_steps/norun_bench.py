@@ -1,0 +1,2 @@
+def main() -> None:
+    print("a script, not a step")

@@ -1,0 +1,113 @@
+"""The bench runner: steps run in child processes and every outcome lands in the report."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.__main__ import declared_budget, run_step
+from bench.fidelity_bench import compare_ttft_p95_by_version, compare_usage
+from bench.report import normalize_figure, render_markdown, target_met, write_report
+
+STEPS_DIR = Path(__file__).parent / "bench_steps"
+
+
+def judged(target, value, reference):
+    return target_met(
+        normalize_figure(
+            {"name": "x", "value": value, "reference_value": reference, "target": target}
+        )
+    )
+
+
+def test_targets_are_judged():
+    assert judged("exact", 5, 5) is True
+    assert judged("exact", 5, 6) is False
+    assert judged("within 5%", 104, 100) is True
+    assert judged("within 5%", 94, 100) is False
+    assert judged("ratio >= 1.1", 120, 100) is True
+    assert judged("value < 10", 12, None) is False
+    assert judged("faster than last week", 1, 1) is None
+    assert judged("within 5%", None, 100) is None
+    figure = normalize_figure({"name": "x", "value": 3, "reference_value": 4, "target": ""})
+    assert figure["ratio"] == 0.75
+
+
+def test_steps_that_work_fail_hang_or_are_missing_are_all_reported(tmp_path):
+    deadline = time.monotonic() + 120
+    common = {"package": "tests.loadgen.bench_steps", "package_dir": STEPS_DIR}
+    good = run_step("good_bench", tmp_path, True, deadline, **common)
+    failing = run_step("failing_bench", tmp_path, True, deadline, **common)
+    hanging = run_step("hanging_bench", tmp_path, True, deadline, **common)
+    no_run = run_step("norun_bench", tmp_path, True, deadline, **common)
+    missing = run_step("absent_bench", tmp_path, True, deadline, **common)
+    assert good["status"] == "ok"
+    assert [f["met"] for f in good["figures"]] == [True, False]
+    assert good["figures"][0]["ratio"] == pytest.approx(1.2)
+    assert good["notes"] == ["quick=True"]
+    assert good["plots"] == ["good_bench/plot.png"]
+    assert failing["status"] == "failed"
+    assert any("the engine would not start" in line for line in failing["log_tail"])
+    assert hanging["status"] == "timeout"
+    assert no_run["status"] == "not conforming"
+    assert missing["status"] == "missing"
+
+    report = {
+        "timestamp": "t",
+        "quick": True,
+        "host": "h",
+        "elapsed_s": 1.0,
+        "modules": [good, failing, hanging, no_run, missing],
+    }
+    markdown, document = write_report(tmp_path, report)
+    text = markdown.read_text()
+    assert "| speed | 120 | tok/s | baseline | 100 | 1.2 | ratio >= 1.1 | yes |" in text
+    assert "| tokens | 5 | tokens | client | 6 | 0.833 | exact | **no** |" in text
+    assert "| failing_bench | failed |" in text
+    assert "| hanging_bench | timeout |" in text
+    assert "![plot](good_bench/plot.png)" in text
+    assert json.loads(document.read_text())["modules"][4]["status"] == "missing"
+
+
+def test_budgets_are_read_without_importing():
+    assert declared_budget(STEPS_DIR / "hanging_bench.py", quick=True) == 6
+    assert declared_budget(STEPS_DIR / "hanging_bench.py", quick=False) == 240
+
+
+def test_fidelity_comparisons_join_by_request_id():
+    client_ttft = {"a": 0.10, "b": 0.20, "c": 0.30, "d": 0.40}
+    rows = [
+        {"request_id": "a", "version": "v1", "ttft_s": 0.11},
+        {"request_id": "b", "version": "v1", "ttft_s": 0.21},
+        {"request_id": "c", "version": "v2", "ttft_s": 0.33},
+        {"request_id": "x", "version": "v2", "ttft_s": 9.0},  # not ours: ignored
+        {"request_id": "d", "version": "v2", "ttft_s": None},  # no TTFT: ignored
+    ]
+    v1, v2 = compare_ttft_p95_by_version(client_ttft, rows)
+    # v1 p95 over [0.11, 0.21] = 0.11 + 0.95 * 0.10; client over [0.10, 0.20]
+    assert v1["value"] == pytest.approx(0.205)
+    assert v1["reference_value"] == pytest.approx(0.195)
+    assert judged(v1["target"], v1["value"], v1["reference_value"]) is False
+    assert (v2["value"], v2["reference_value"]) == (pytest.approx(0.33), pytest.approx(0.30))
+    usage_rows = [
+        {"request_id": "a", "prompt_tokens": 10, "completion_tokens": 5},
+        {"request_id": "b", "prompt_tokens": 12, "completion_tokens": 7},
+    ]
+    prompt, completion = compare_usage({"a": (10, 5), "b": (12, 6)}, usage_rows)
+    assert (prompt["value"], prompt["reference_value"]) == (22, 22)
+    assert (completion["value"], completion["reference_value"]) == (12, 11)
+    assert [normalize_figure(f)["met"] for f in (prompt, completion)] == [True, False]
+
+
+def test_render_handles_a_skipped_figure():
+    figure = normalize_figure(
+        {"name": "gateway TTFT p95", "value": None, "target": "within 5%",
+         "skipped": "gateway not available"}
+    )  # fmt: skip
+    text = render_markdown(
+        {"timestamp": "t", "quick": False, "host": "h", "elapsed_s": 0.0,
+         "modules": [{"name": "fidelity_bench", "status": "ok", "elapsed_s": 0.0,
+                      "figures": [figure]}]}
+    )  # fmt: skip
+    assert "skipped: gateway not available" in text
