@@ -1,4 +1,4 @@
-"""ASGI entry point: HTTP goes to Django, websockets to Channels consumers."""
+"""ASGI entry point: /v1/ to the gateway, other HTTP to Django, websockets to Channels."""
 
 import os
 
@@ -11,11 +11,16 @@ from django.core.asgi import get_asgi_application
 
 django_application = get_asgi_application()
 
+from controlplane.gateway.app import gateway_mount  # noqa: E402
 from controlplane.routing import websocket_urlpatterns  # noqa: E402
+
+# The gateway is a raw ASGI app: no Django middleware runs on the tenants' hot path.
+http_application = gateway_mount(django_application)
 
 application = ProtocolTypeRouter(
     {
-        "http": django_application,
+        "http": http_application,
+        "lifespan": http_application,
         "websocket": AllowedHostsOriginValidator(
             AuthMiddlewareStack(URLRouter(websocket_urlpatterns))
         ),

@@ -1,0 +1,343 @@
+"""The gateway's Redis contracts: the live routing table and the requests stream.
+
+Routing (written by the rollouts reconciler, today by
+`controlplane.gateway.services.routing_table_publish`; read by every gateway process):
+
+- `routing:<deployment>`: a string holding one JSON `RoutingTable`.
+- `routing:deployments`: a set of the deployment names that have a table.
+- `routing:changed`: a pub/sub channel; each message is the name of a deployment
+  whose table changed (or was deleted). Gateways also re-read every table every few
+  seconds, so a lost message only delays a change.
+
+Requests (written by the gateway after every routed request, read by ingest):
+
+- `telemetry:requests`: one flat entry per finished request (`RequestRecord`),
+  trimmed with an approximate MAXLEN. Ingest is idempotent on `request_id`.
+
+Pure Python on purpose: the gateway, the reconciler and tests share it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+SCHEMA_VERSION = "1"
+
+ROUTING_KEY_PREFIX = "routing:"
+ROUTING_INDEX_KEY = "routing:deployments"
+ROUTING_CHANNEL = "routing:changed"
+
+REQUESTS_STREAM = "telemetry:requests"
+REQUESTS_MAXLEN = 1_000_000
+
+DEPLOYMENT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,99}$")
+REQUEST_ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")
+ENDPOINT_PATTERN = re.compile(r"^https?://[^\s/]+(:\d+)?/?$")
+
+
+class RoutingContractError(ValueError):
+    """A routing table or a request entry breaks the contract; the message names the field."""
+
+
+class Affinity(StrEnum):
+    """How a deployment keeps a caller on one version while weights stay the same."""
+
+    NONE = "none"  # every request draws a version by weight
+    TENANT = "tenant"  # one tenant always lands on the same version
+    SESSION = "session"  # one X-Session-Id value lands on the same version (else random)
+
+
+def routing_key(deployment: str) -> str:
+    return f"{ROUTING_KEY_PREFIX}{deployment}"
+
+
+@dataclass(slots=True, frozen=True)
+class VersionRoute:
+    version_id: int
+    label: str
+    weight: int  # 0..100; the shares are weight / sum(weights)
+    endpoints: tuple[str, ...] = ()  # base URLs of ready agents serving this version
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version_id": self.version_id,
+            "label": self.label,
+            "weight": self.weight,
+            "endpoints": list(self.endpoints),
+        }
+
+
+@dataclass(slots=True, frozen=True)
+class RoutingTable:
+    deployment: str
+    model: str  # the public model name tenants send (registry Model.name)
+    versions: tuple[VersionRoute, ...]
+    affinity: Affinity = Affinity.NONE
+    generation: int = 0  # increases with each publish; a reader keeps the newest
+    published_at: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "v": SCHEMA_VERSION,
+                "deployment": self.deployment,
+                "model": self.model,
+                "affinity": self.affinity.value,
+                "generation": self.generation,
+                "published_at": self.published_at,
+                "versions": [version.to_json() for version in self.versions],
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+
+
+def _field(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    if name not in data:
+        raise RoutingContractError(f"{name}: missing")
+    value = data[name]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise RoutingContractError(f"{name}: wrong type {type(value).__name__}")
+    return value
+
+
+def routing_table_build(
+    *,
+    deployment: str,
+    model: str,
+    versions: list[VersionRoute] | tuple[VersionRoute, ...],
+    affinity: Affinity | str = Affinity.NONE,
+    generation: int = 0,
+    published_at: float = 0.0,
+) -> RoutingTable:
+    """A validated table; raises RoutingContractError naming the first bad field."""
+    if not DEPLOYMENT_PATTERN.fullmatch(deployment):
+        raise RoutingContractError(
+            f"deployment: {deployment[:40]!r} must be 1-100 of a-z, 0-9, '.', '_', '-'"
+        )
+    if not model or len(model) > 100:
+        raise RoutingContractError("model: must be 1-100 characters")
+    try:
+        affinity = Affinity(affinity)
+    except ValueError as exc:
+        raise RoutingContractError(
+            f"affinity: {affinity!r} is not one of none, tenant, session"
+        ) from exc
+    seen: set[int] = set()
+    for index, version in enumerate(versions):
+        where = f"versions[{index}]"
+        if isinstance(version.version_id, bool) or not isinstance(version.version_id, int):
+            raise RoutingContractError(f"{where}.version_id: must be an integer")
+        if version.version_id < 1:
+            raise RoutingContractError(f"{where}.version_id: must be >= 1")
+        if version.version_id in seen:
+            raise RoutingContractError(f"{where}.version_id: {version.version_id} appears twice")
+        seen.add(version.version_id)
+        if isinstance(version.weight, bool) or not isinstance(version.weight, int):
+            raise RoutingContractError(f"{where}.weight: must be an integer")
+        if not 0 <= version.weight <= 100:
+            raise RoutingContractError(f"{where}.weight: must be within 0..100")
+        for endpoint in version.endpoints:
+            if not isinstance(endpoint, str) or not ENDPOINT_PATTERN.fullmatch(endpoint):
+                raise RoutingContractError(f"{where}.endpoints: {endpoint!r} is not an http(s) URL")
+    if versions and sum(version.weight for version in versions) == 0:
+        raise RoutingContractError("versions: at least one weight must be positive")
+    return RoutingTable(
+        deployment=deployment,
+        model=model,
+        versions=tuple(
+            VersionRoute(
+                version_id=version.version_id,
+                label=version.label,
+                weight=version.weight,
+                endpoints=tuple(endpoint.rstrip("/") for endpoint in version.endpoints),
+            )
+            for version in versions
+        ),
+        affinity=affinity,
+        generation=generation,
+        published_at=published_at,
+    )
+
+
+def parse_routing_table(raw: str | bytes) -> RoutingTable:
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RoutingContractError(f"table: not JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise RoutingContractError("table: must be a JSON object")
+    if data.get("v") != SCHEMA_VERSION:
+        raise RoutingContractError(f"v: unsupported schema version {data.get('v')!r}")
+    raw_versions = _field(data, "versions", list)
+    versions = []
+    for index, item in enumerate(raw_versions):
+        if not isinstance(item, dict):
+            raise RoutingContractError(f"versions[{index}]: must be an object")
+        endpoints = _field(item, "endpoints", list)
+        versions.append(
+            VersionRoute(
+                version_id=_field(item, "version_id", int),
+                label=str(_field(item, "label", str)),
+                weight=_field(item, "weight", int),
+                endpoints=tuple(endpoints),
+            )
+        )
+    return routing_table_build(
+        deployment=_field(data, "deployment", str),
+        model=_field(data, "model", str),
+        versions=versions,
+        affinity=_field(data, "affinity", str),
+        generation=_field(data, "generation", int),
+        published_at=float(_field(data, "published_at", (int, float))),
+    )
+
+
+# The requests stream.
+
+
+@dataclass(slots=True, frozen=True)
+class RequestRecord:
+    """One finished, routed gateway request. Times are seconds; `None` when not measured.
+
+    `ttft_s` and the inter-token figures exist for streamed responses only.
+    `usage_source` is `engine` when the tokens come from the engine's usage, `gateway`
+    when the gateway counted them (streamed chunks; prompt estimated from its length).
+    `prompt` and `completion` are set only when the tenant's policy keeps prompts.
+    """
+
+    request_id: str
+    tenant_id: int
+    api_key_id: int
+    deployment: str
+    version_id: int
+    agent: str  # the endpoint that served it ("" when none answered)
+    endpoint_kind: str  # chat, completions, embeddings
+    status: int  # the HTTP status the client got (499: the client went away)
+    is_stream: bool
+    started_at: float  # unix time
+    finished_at: float  # unix time
+    e2e_s: float
+    ttft_s: float | None
+    itl_mean_s: float | None
+    itl_p95_s: float | None
+    prompt_tokens: int
+    completion_tokens: int
+    usage_source: str
+    attempts: int = 1
+    prompt: str | None = None
+    completion: str | None = None
+
+    def to_fields(self) -> dict[str, str]:
+        out = {
+            "v": SCHEMA_VERSION,
+            "request_id": self.request_id,
+            "tenant_id": str(self.tenant_id),
+            "api_key_id": str(self.api_key_id),
+            "deployment": self.deployment,
+            "version_id": str(self.version_id),
+            "agent": self.agent,
+            "endpoint_kind": self.endpoint_kind,
+            "status": str(self.status),
+            "is_stream": "1" if self.is_stream else "0",
+            "started_at": _format(self.started_at),
+            "finished_at": _format(self.finished_at),
+            "e2e_s": _format(self.e2e_s),
+            "ttft_s": _format(self.ttft_s),
+            "itl_mean_s": _format(self.itl_mean_s),
+            "itl_p95_s": _format(self.itl_p95_s),
+            "prompt_tokens": str(self.prompt_tokens),
+            "completion_tokens": str(self.completion_tokens),
+            "usage_source": self.usage_source,
+            "attempts": str(self.attempts),
+        }
+        if self.prompt is not None:
+            out["prompt"] = self.prompt
+        if self.completion is not None:
+            out["completion"] = self.completion
+        return out
+
+
+def _format(value: float | None) -> str:
+    if value is None:
+        return ""
+    return repr(round(float(value), 6))
+
+
+def _required(data: Mapping[str, str], name: str) -> str:
+    value = data.get(name)
+    if not isinstance(value, str):
+        raise RoutingContractError(f"{name}: missing")
+    return value
+
+
+def _int(data: Mapping[str, str], name: str, *, minimum: int = 0) -> int:
+    raw = _required(data, name)
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise RoutingContractError(f"{name}: not an integer: {raw[:40]!r}") from exc
+    if value < minimum:
+        raise RoutingContractError(f"{name}: must be >= {minimum}")
+    return value
+
+
+def _float(data: Mapping[str, str], name: str) -> float:
+    raw = _required(data, name)
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise RoutingContractError(f"{name}: not a number: {raw[:40]!r}") from exc
+    if not math.isfinite(value) or value < 0:
+        raise RoutingContractError(f"{name}: must be a finite number >= 0")
+    return value
+
+
+def _optional_float(data: Mapping[str, str], name: str) -> float | None:
+    return None if _required(data, name) == "" else _float(data, name)
+
+
+def parse_request_record(data: Mapping[str, str]) -> RequestRecord:
+    if data.get("v") != SCHEMA_VERSION:
+        raise RoutingContractError(f"v: unsupported schema version {data.get('v')!r}")
+    request_id = _required(data, "request_id")
+    if not REQUEST_ID_PATTERN.fullmatch(request_id):
+        raise RoutingContractError("request_id: must be 32 lowercase hex characters")
+    is_stream = _required(data, "is_stream")
+    if is_stream not in {"0", "1"}:
+        raise RoutingContractError("is_stream: must be 0 or 1")
+    usage_source = _required(data, "usage_source")
+    if usage_source not in {"engine", "gateway"}:
+        raise RoutingContractError("usage_source: must be engine or gateway")
+    status = _int(data, "status", minimum=100)
+    if status > 599:
+        raise RoutingContractError("status: must be an HTTP status")
+    return RequestRecord(
+        request_id=request_id,
+        tenant_id=_int(data, "tenant_id", minimum=1),
+        api_key_id=_int(data, "api_key_id", minimum=0),
+        deployment=_required(data, "deployment")[:100],
+        version_id=_int(data, "version_id", minimum=1),
+        agent=_required(data, "agent")[:255],
+        endpoint_kind=_required(data, "endpoint_kind")[:20],
+        status=status,
+        is_stream=is_stream == "1",
+        started_at=_float(data, "started_at"),
+        finished_at=_float(data, "finished_at"),
+        e2e_s=_float(data, "e2e_s"),
+        ttft_s=_optional_float(data, "ttft_s"),
+        itl_mean_s=_optional_float(data, "itl_mean_s"),
+        itl_p95_s=_optional_float(data, "itl_p95_s"),
+        prompt_tokens=_int(data, "prompt_tokens"),
+        completion_tokens=_int(data, "completion_tokens"),
+        usage_source=usage_source,
+        attempts=_int(data, "attempts", minimum=1),
+        prompt=data.get("prompt"),
+        completion=data.get("completion"),
+    )

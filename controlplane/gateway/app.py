@@ -1,0 +1,726 @@
+"""The tenants' OpenAI-compatible entry point, as a raw ASGI application.
+
+No Django middleware or URL resolver runs per request: keys and routes come from
+in-memory caches (caches.py), limits from one Redis script (ratelimit.py), and the
+response streams through from the agent as it arrives (one shared httpx pool). After
+the response, one entry goes to the requests stream, or to the local spool when Redis
+does not take it.
+
+`gateway_mount(django_app)` serves /v1/ here and everything else through Django.
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import redis
+import redis.asyncio as aioredis
+from django.conf import settings
+from prometheus_client import Counter
+
+from contracts.routing import (
+    REQUESTS_MAXLEN,
+    REQUESTS_STREAM,
+    ROUTING_CHANNEL,
+    Affinity,
+    RequestRecord,
+    RoutingTable,
+    VersionRoute,
+)
+from controlplane.gateway.caches import KeyCache, RoutingCache, choose_endpoint, choose_version
+from controlplane.gateway.metering import (
+    StreamMeter,
+    estimate_tokens,
+    prompt_text,
+    response_usage_and_text,
+    split_events,
+)
+from controlplane.gateway.ratelimit import Admission, RateLimiter
+from controlplane.gateway.selectors import KeyGrant
+from controlplane.gateway.services import INVALIDATE_CHANNEL
+from controlplane.gateway.spool import Spool
+
+logger = logging.getLogger(__name__)
+
+REQUESTS_TOTAL = Counter("gateway_requests_total", "Gateway requests by status", ["status"])
+RATE_LIMIT_UNAVAILABLE = Counter(
+    "gateway_rate_limit_unavailable_total", "Requests admitted without a limit check (Redis down)"
+)
+UPSTREAM_RETRIES = Counter("gateway_upstream_retries_total", "Requests retried on another agent")
+
+# path -> (endpoint kind, the key scope it needs)
+ROUTES = {
+    "/v1/chat/completions": ("chat", "chat"),
+    "/v1/completions": ("completions", "chat"),
+    "/v1/embeddings": ("embeddings", "embeddings"),
+}
+CLIENT_CLOSED = 499
+
+
+def _error_body(status: int, code: str, message: str, error_type: str, param: str | None = None):
+    return json.dumps(
+        {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    ).encode()
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What happened to one request; filled in as it goes (so a cancel keeps it)."""
+
+    status: int = 0
+    agent: str = ""
+    attempts: int = 0
+    is_complete: bool = False
+    response_body: bytes = b""
+    meter: StreamMeter | None = None
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read."""
+
+
+class GatewayRequestError(Exception):
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        error_type: str = "invalid_request_error",
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.error_type = error_type
+        self.headers = headers or []
+
+
+async def _send_json(send, status: int, body: bytes, headers=()) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _read_body(receive, limit: int) -> bytes:
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise GatewayRequestError(413, "request_too_large", "The request body is too large.")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _wait_disconnect(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class Gateway:
+    def __init__(self) -> None:
+        self.is_started = False
+        self._start_lock: asyncio.Lock | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.outstanding: dict[str, int] = defaultdict(int)
+
+    # Lifecycle.
+
+    async def start(self) -> None:
+        if self.is_started:
+            return
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:
+            if self.is_started:
+                return
+            self.redis = aioredis.Redis.from_url(
+                settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=1
+            )
+            self.pubsub_redis = aioredis.Redis.from_url(
+                settings.REDIS_URL, socket_connect_timeout=1, health_check_interval=15
+            )
+            self.sync_redis = redis.Redis.from_url(
+                settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=2
+            )
+            self.http = httpx.AsyncClient(
+                timeout=httpx.Timeout(
+                    connect=settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT_S,
+                    read=settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S,
+                    write=30.0,
+                    pool=30.0,
+                ),
+                limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200),
+            )
+            self.keys = KeyCache(ttl_s=settings.GATEWAY_KEY_CACHE_TTL_S)
+            self.routing = RoutingCache()
+            self.limiter = RateLimiter(self.redis)
+            self.spool = Spool(
+                settings.GATEWAY_SPOOL_DIR, max_bytes=settings.GATEWAY_SPOOL_MAX_BYTES
+            )
+            try:
+                await self.routing.refresh_all(self.redis)
+            except (redis.RedisError, OSError) as exc:
+                logger.warning("routing tables unavailable at start", extra={"error": str(exc)})
+            self._tasks = [
+                asyncio.create_task(self._listen()),
+                asyncio.create_task(self._refresh_periodically()),
+                asyncio.create_task(self._replay_spool_periodically()),
+            ]
+            self.is_started = True
+
+    async def stop(self) -> None:
+        if not self.is_started:
+            return
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.spool.replay, self._write_entries)
+        await self.http.aclose()
+        await self.redis.aclose()
+        await self.pubsub_redis.aclose()
+        self.sync_redis.close()
+        self.is_started = False
+
+    async def _listen(self) -> None:
+        backoff = 0.5
+        while True:
+            try:
+                async with self.pubsub_redis.pubsub() as pubsub:
+                    await pubsub.subscribe(ROUTING_CHANNEL, INVALIDATE_CHANNEL)
+                    # Catch up on what changed while we were not listening.
+                    await self.routing.refresh_all(self.redis)
+                    self.keys.invalidate("all")
+                    backoff = 0.5
+                    async for message in pubsub.listen():
+                        if message.get("type") != "message":
+                            continue
+                        channel = message["channel"]
+                        channel = channel.decode() if isinstance(channel, bytes) else channel
+                        data = message["data"]
+                        data = data.decode() if isinstance(data, bytes) else str(data)
+                        if channel == ROUTING_CHANNEL:
+                            await self.routing.refresh_one(self.redis, data)
+                        else:
+                            self.keys.invalidate(data)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("gateway pub/sub lost; reconnecting", extra={"error": str(exc)})
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    async def _refresh_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(settings.GATEWAY_ROUTING_REFRESH_S)
+            try:
+                await self.routing.refresh_all(self.redis)
+            except (redis.RedisError, OSError) as exc:
+                logger.warning("routing refresh failed", extra={"error": str(exc)})
+
+    def _write_entries(self, entries: list[dict[str, str]]) -> None:
+        pipe = self.sync_redis.pipeline(transaction=False)
+        for fields in entries:
+            pipe.xadd(REQUESTS_STREAM, fields, maxlen=REQUESTS_MAXLEN, approximate=True)
+        pipe.execute()
+
+    async def _replay_spool_periodically(self) -> None:
+        while True:
+            try:
+                if self.spool.size_bytes():
+                    await asyncio.to_thread(self.spool.replay, self._write_entries)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("spool replay failed; will retry", extra={"error": str(exc)})
+            await asyncio.sleep(settings.GATEWAY_SPOOL_RETRY_S)
+
+    # ASGI.
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        if not self.is_started:
+            await self.start()
+        try:
+            await self._handle(scope, receive, send)
+        except ClientGone:
+            REQUESTS_TOTAL.labels(str(CLIENT_CLOSED)).inc()
+        except GatewayRequestError as exc:
+            REQUESTS_TOTAL.labels(str(exc.status)).inc()
+            await _send_json(
+                send,
+                exc.status,
+                _error_body(exc.status, exc.code, exc.message, exc.error_type),
+                exc.headers,
+            )
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.start()
+                except Exception as exc:
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _handle(self, scope, receive, send) -> None:
+        path = scope["path"]
+        method = scope["method"]
+        authorization = b""
+        session_id = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value
+            elif name == b"x-session-id":
+                session_id = value.decode("latin-1")
+        if path == "/v1/models" or path in ROUTES:
+            grant = await self._authenticate(authorization)
+        else:
+            raise GatewayRequestError(404, "not_found", f"No route for {path}.")
+        if path == "/v1/models":
+            if method != "GET":
+                raise GatewayRequestError(405, "method_not_allowed", "Use GET.")
+            await self._models(grant, send)
+            return
+        if method != "POST":
+            raise GatewayRequestError(405, "method_not_allowed", "Use POST.")
+        kind, scope_needed = ROUTES[path]
+        raw = await _read_body(receive, settings.GATEWAY_MAX_BODY_BYTES)
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise GatewayRequestError(400, "invalid_json", "The body is not JSON.") from exc
+        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+            raise GatewayRequestError(400, "invalid_request", "`model` (a string) is required.")
+        model = body["model"]
+        if scope_needed not in grant.scopes:
+            raise GatewayRequestError(
+                403, "insufficient_scope", f"This key may not call {path}.", "permission_error"
+            )
+        deployment = self.routing.by_model.get(model)
+        if model not in grant.allowed_models:
+            if deployment is None:
+                raise GatewayRequestError(
+                    404, "model_not_found", f"The model {model!r} does not exist."
+                )
+            raise GatewayRequestError(
+                403,
+                "model_not_allowed",
+                f"Your tenant may not use the model {model!r}.",
+                "permission_error",
+            )
+        if deployment is None:
+            raise GatewayRequestError(
+                404, "model_not_found", f"The model {model!r} is not deployed."
+            )
+        table = self.routing.tables[deployment]
+        await self._proxy(scope, receive, send, grant, table, kind, path, body, raw, session_id)
+
+    async def _authenticate(self, authorization: bytes) -> KeyGrant:
+        scheme, _, token = authorization.decode("latin-1").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise GatewayRequestError(
+                401,
+                "invalid_api_key",
+                "Missing API key: send Authorization: Bearer <key>.",
+                "invalid_request_error",
+            )
+        grant = await self.keys.get(token)
+        if grant is None:
+            raise GatewayRequestError(
+                401, "invalid_api_key", "Incorrect API key provided.", "invalid_request_error"
+            )
+        return grant
+
+    async def _models(self, grant: KeyGrant, send) -> None:
+        names = sorted(name for name in grant.allowed_models if name in self.routing.by_model)
+        body = json.dumps(
+            {
+                "object": "list",
+                "data": [
+                    {"id": name, "object": "model", "created": 0, "owned_by": "fleet"}
+                    for name in names
+                ],
+            }
+        ).encode()
+        REQUESTS_TOTAL.labels("200").inc()
+        await _send_json(send, 200, body)
+
+    # Proxying.
+
+    async def _admit(self, grant: KeyGrant, estimate: int) -> Admission | None:
+        try:
+            admission = await self.limiter.admit(
+                tenant_id=grant.tenant_id,
+                requests_per_minute=grant.requests_per_minute,
+                tokens_per_minute=grant.tokens_per_minute,
+                estimate=estimate,
+            )
+        except (redis.RedisError, OSError) as exc:
+            # Serving without limits beats refusing everyone while Redis is away.
+            RATE_LIMIT_UNAVAILABLE.inc()
+            logger.warning("rate limit unavailable; admitting", extra={"error": str(exc)})
+            return None
+        if not admission.is_allowed:
+            raise GatewayRequestError(
+                429,
+                "rate_limit_exceeded",
+                f"Rate limit reached: {admission.limit} per minute. "
+                f"Retry after {admission.retry_after_s} s.",
+                admission.limit,
+                headers=[(b"retry-after", str(admission.retry_after_s).encode())],
+            )
+        return admission
+
+    async def _proxy(
+        self,
+        scope,
+        receive,
+        send,
+        grant: KeyGrant,
+        table: RoutingTable,
+        kind: str,
+        path: str,
+        body: dict[str, Any],
+        raw: bytes,
+        session_id: str | None,
+    ) -> None:
+        started_wall = time.time()
+        started = time.perf_counter()
+        is_stream = bool(body.get("stream")) and kind != "embeddings"
+        text = prompt_text(body)
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+            max_tokens = settings.GATEWAY_DEFAULT_COMPLETION_TOKENS if kind != "embeddings" else 0
+        estimate = estimate_tokens(len(text)) + max_tokens
+        admission = await self._admit(grant, estimate)
+
+        affinity_value = None
+        if table.affinity is Affinity.TENANT:
+            affinity_value = str(grant.tenant_id)
+        elif table.affinity is Affinity.SESSION:
+            affinity_value = session_id
+        version = choose_version(table, affinity_value)
+        if version is None:
+            if admission is not None:
+                await self._settle(grant, admission, -estimate)
+            raise GatewayRequestError(
+                503,
+                "no_ready_agent",
+                f"No agent is ready to serve {table.model!r}; retry shortly.",
+                "server_error",
+            )
+
+        is_usage_stripped = False
+        if is_stream:
+            options = body.get("stream_options")
+            options = options if isinstance(options, dict) else {}
+            if not options.get("include_usage"):
+                is_usage_stripped = True
+                body = {**body, "stream_options": {**options, "include_usage": True}}
+                raw = json.dumps(body, separators=(",", ":")).encode()
+        request_id = uuid.uuid4().hex
+        outcome = Outcome()
+        if is_stream:
+            outcome.meter = StreamMeter(
+                started=started,
+                is_usage_stripped=is_usage_stripped,
+                is_capturing=grant.is_prompt_logging,
+            )
+        relay = asyncio.ensure_future(
+            self._relay(send, outcome, version, path, raw, request_id, is_stream)
+        )
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait((relay, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if relay in done or outcome.is_complete:
+                watcher.cancel()
+                await relay
+            else:
+                # The client went away: cancelling closes the upstream stream, and the
+                # engine aborts the sequence when its connection drops.
+                relay.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await relay
+                outcome.status = CLIENT_CLOSED
+        except BaseException:
+            relay.cancel()
+            watcher.cancel()
+            if outcome.status == 0:
+                outcome.status = CLIENT_CLOSED
+            raise
+        finally:
+            finished = time.perf_counter()
+            REQUESTS_TOTAL.labels(str(outcome.status)).inc()
+            record = self._record(
+                request_id=request_id,
+                grant=grant,
+                table=table,
+                version=version,
+                kind=kind,
+                is_stream=is_stream,
+                started_wall=started_wall,
+                e2e_s=finished - started,
+                outcome=outcome,
+                text=text,
+            )
+            tokens = record.prompt_tokens + record.completion_tokens
+            await asyncio.shield(self._finish(grant, admission, tokens - estimate, record))
+
+    async def _finish(
+        self, grant: KeyGrant, admission: Admission | None, delta: int, record: RequestRecord
+    ) -> None:
+        if admission is not None:
+            await self._settle(grant, admission, delta)
+        await self._emit(record)
+
+    async def _settle(self, grant: KeyGrant, admission: Admission, delta: int) -> None:
+        try:
+            await self.limiter.settle(
+                tenant_id=grant.tenant_id, window=admission.window, delta=delta
+            )
+        except (redis.RedisError, OSError) as exc:
+            logger.warning("token settle failed", extra={"error": str(exc)})
+
+    async def _emit(self, record: RequestRecord) -> None:
+        fields = record.to_fields()
+        try:
+            await self.redis.xadd(REQUESTS_STREAM, fields, maxlen=REQUESTS_MAXLEN, approximate=True)
+        except (redis.RedisError, OSError) as exc:
+            logger.warning("requests stream unavailable; spooling", extra={"error": str(exc)})
+            await asyncio.to_thread(self.spool.append, fields)
+
+    def _record(
+        self,
+        *,
+        request_id: str,
+        grant: KeyGrant,
+        table: RoutingTable,
+        version: VersionRoute,
+        kind: str,
+        is_stream: bool,
+        started_wall: float,
+        e2e_s: float,
+        outcome: Outcome,
+        text: str,
+    ) -> RequestRecord:
+        meter = outcome.meter
+        completion_text = ""
+        usage = None
+        if meter is not None:
+            usage = meter.usage
+            completion_text = "".join(meter.text)
+        elif outcome.response_body:
+            usage, completion_text = response_usage_and_text(
+                outcome.response_body, is_capturing=grant.is_prompt_logging
+            )
+        prompt_tokens = usage.get("prompt_tokens") if usage else None
+        completion_tokens = usage.get("completion_tokens", 0) if usage else None
+        is_engine_usage = isinstance(prompt_tokens, int) and isinstance(completion_tokens, int)
+        if not is_engine_usage:
+            # Nothing from the engine: count streamed content events, estimate the prompt.
+            # An unanswered request (no agent, or the client left before any token) is 0.
+            answered = outcome.agent != "" and outcome.status < 500
+            prompt_tokens = estimate_tokens(len(text)) if answered else 0
+            completion_tokens = meter.token_events if meter is not None else 0
+        status = outcome.status or 500
+        if meter is not None and meter.has_error and status < 400:
+            status = 500  # an error event inside a 200 stream is still a failed request
+        return RequestRecord(
+            request_id=request_id,
+            tenant_id=grant.tenant_id,
+            api_key_id=grant.key_id,
+            deployment=table.deployment,
+            version_id=version.version_id,
+            agent=outcome.agent,
+            endpoint_kind=kind,
+            status=status,
+            is_stream=is_stream,
+            started_at=started_wall,
+            finished_at=started_wall + e2e_s,
+            e2e_s=e2e_s,
+            ttft_s=meter.ttft_s if meter is not None else None,
+            itl_mean_s=meter.itl_mean_s if meter is not None else None,
+            itl_p95_s=meter.itl_p95_s if meter is not None else None,
+            prompt_tokens=int(prompt_tokens),  # type: ignore[arg-type]
+            completion_tokens=int(completion_tokens),  # type: ignore[arg-type]
+            usage_source="engine" if is_engine_usage else "gateway",
+            attempts=max(1, outcome.attempts),
+            prompt=text if grant.is_prompt_logging else None,
+            completion=completion_text if grant.is_prompt_logging else None,
+        )
+
+    async def _connect(
+        self, outcome: Outcome, version: VersionRoute, path: str, raw: bytes, request_id: str
+    ) -> tuple[httpx.Response, str] | None:
+        """The first agent response, retrying once on another agent when one refuses."""
+        tried: list[str] = []
+        while outcome.attempts < 2:
+            endpoint = choose_endpoint(version, self.outstanding, tried)
+            if endpoint is None:
+                return None
+            if tried:
+                UPSTREAM_RETRIES.inc()
+            tried.append(endpoint)
+            outcome.attempts += 1
+            request = self.http.build_request(
+                "POST",
+                endpoint + path,
+                content=raw,
+                headers={"content-type": "application/json", "x-request-id": request_id},
+            )
+            self.outstanding[endpoint] += 1
+            try:
+                response = await self.http.send(request, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+                self.outstanding[endpoint] -= 1
+                logger.warning("agent refused", extra={"agent": endpoint, "error": str(exc)})
+                continue
+            except BaseException:
+                self.outstanding[endpoint] -= 1
+                raise
+            is_refusal = response.status_code == 503
+            if (
+                is_refusal
+                and outcome.attempts < 2
+                and choose_endpoint(version, self.outstanding, tried) is not None
+            ):
+                await response.aclose()
+                self.outstanding[endpoint] -= 1
+                continue
+            return response, endpoint
+        return None
+
+    async def _relay(
+        self,
+        send,
+        outcome: Outcome,
+        version: VersionRoute,
+        path: str,
+        raw: bytes,
+        request_id: str,
+        is_stream: bool,
+    ) -> None:
+        connected = await self._connect(outcome, version, path, raw, request_id)
+        if connected is None:
+            outcome.status = 503
+            await _send_json(
+                send,
+                503,
+                _error_body(
+                    503, "no_ready_agent", "No agent answered; retry shortly.", "server_error"
+                ),
+            )
+            outcome.is_complete = True
+            return
+        response, endpoint = connected
+        outcome.agent = endpoint
+        try:
+            outcome.status = response.status_code
+            content_type = response.headers.get("content-type", "application/json")
+            meter = outcome.meter
+            if meter is None or response.status_code != 200 or "event-stream" not in content_type:
+                outcome.meter = None
+                try:
+                    body = await response.aread()
+                except httpx.HTTPError as exc:
+                    is_timeout = isinstance(exc, httpx.TimeoutException)
+                    outcome.status = 504 if is_timeout else 502
+                    body = _error_body(
+                        outcome.status,
+                        "upstream_timeout" if is_timeout else "upstream_error",
+                        "The agent did not answer in time." if is_timeout else "The agent failed.",
+                        "server_error",
+                    )
+                    await _send_json(send, outcome.status, body)
+                    outcome.is_complete = True
+                    return
+                outcome.response_body = body
+                await _send_json(
+                    send, response.status_code, body, [(b"x-request-id", request_id.encode())]
+                )
+                outcome.is_complete = True
+                return
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", content_type.encode()),
+                        (b"cache-control", b"no-cache"),
+                        (b"x-request-id", request_id.encode()),
+                    ],
+                }
+            )
+            buffer = b""
+            try:
+                async for chunk in response.aiter_raw():
+                    buffer += chunk
+                    events, buffer = split_events(buffer)
+                    if not events:
+                        continue
+                    out = meter.feed(events, time.perf_counter())
+                    if out:
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+            except httpx.HTTPError as exc:
+                # After the first byte there is no retry: end the stream, count it failed.
+                logger.warning("agent stream broke", extra={"agent": endpoint, "error": str(exc)})
+                outcome.status = 502
+            await send({"type": "http.response.body", "body": buffer, "more_body": False})
+            outcome.is_complete = True
+        finally:
+            self.outstanding[endpoint] -= 1
+            await response.aclose()
+
+
+def gateway_mount(django_application, gateway: Gateway | None = None):
+    """One ASGI app: /v1/ to the gateway (and the lifespan, to start it), the rest to Django."""
+    gateway = gateway or Gateway()
+
+    async def application(scope, receive, send) -> None:
+        is_gateway_path = scope["type"] == "http" and scope["path"].startswith("/v1/")
+        if scope["type"] == "lifespan" or is_gateway_path:
+            await gateway(scope, receive, send)
+        else:
+            await django_application(scope, receive, send)
+
+    application.gateway = gateway  # type: ignore[attr-defined]
+    return application

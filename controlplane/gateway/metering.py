@@ -1,0 +1,168 @@
+"""Reading an OpenAI-style response on its way through: tokens, timings, usage.
+
+Server-sent events are forwarded whole (an event is never split across writes to the
+client), so the gateway can look at each one: it timestamps content-bearing events
+(TTFT, inter-token gaps), keeps the engine's `usage`, and drops the usage-only final
+chunk when the client did not ask for it (the gateway always asks the engine for it).
+"""
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+CHARS_PER_TOKEN = 4  # the fallback estimate when the engine reports no usage
+
+
+def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """Complete SSE events (each with its blank-line terminator) and the remainder."""
+    events: list[bytes] = []
+    start = 0
+    while True:
+        lf = buffer.find(b"\n\n", start)
+        crlf = buffer.find(b"\r\n\r\n", start)
+        if lf < 0 and crlf < 0:
+            break
+        end = crlf + 4 if crlf >= 0 and (lf < 0 or crlf < lf) else lf + 2
+        events.append(buffer[start:end])
+        start = end
+    return events, buffer[start:]
+
+
+def _event_data(event: bytes) -> bytes | None:
+    data = [line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")]
+    if not data:
+        return None
+    return b"\n".join(data)
+
+
+def estimate_tokens(text_chars: int) -> int:
+    return math.ceil(text_chars / CHARS_PER_TOKEN) if text_chars > 0 else 0
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    """The prompt's text (messages, prompt or input), for estimates and prompt logging."""
+    parts: list[str] = []
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            if not isinstance(message, dict):
+                continue
+            content = message.get("content")
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                parts.extend(
+                    str(item.get("text", ""))
+                    for item in content
+                    if isinstance(item, dict) and item.get("type") == "text"
+                )
+    for name in ("prompt", "input"):
+        value = body.get(name)
+        if isinstance(value, str):
+            parts.append(value)
+        elif isinstance(value, list):
+            parts.extend(item for item in value if isinstance(item, str))
+    return "\n".join(parts)
+
+
+@dataclass(slots=True)
+class StreamMeter:
+    started: float  # perf_counter() when the gateway received the request
+    is_usage_stripped: bool  # the client did not ask for usage: drop the usage chunk
+    is_capturing: bool  # keep the completion's text (the tenant's policy keeps prompts)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    token_events: int = 0
+    usage: dict[str, Any] | None = None
+    has_error: bool = False
+    text: list[str] = field(default_factory=list)
+
+    def feed(self, events: list[bytes], now: float) -> bytes:
+        """The bytes to forward for these events (usage chunks removed when asked)."""
+        out: list[bytes] = []
+        for event in events:
+            forwarded = self._feed_one(event, now)
+            if forwarded:
+                out.append(forwarded)
+        return b"".join(out)
+
+    def _feed_one(self, event: bytes, now: float) -> bytes | None:
+        payload = _event_data(event)
+        if not payload or payload == b"[DONE]":
+            return event
+        try:
+            chunk = json.loads(payload)
+        except ValueError:
+            return event
+        if not isinstance(chunk, dict):
+            return event
+        if chunk.get("error"):
+            self.has_error = True
+            return event
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+        choices = chunk.get("choices") or []
+        has_token = False
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta")
+            text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+            if text:
+                has_token = True
+                if self.is_capturing:
+                    self.text.append(text)
+        if has_token:
+            if self.first_token_at is None:
+                self.first_token_at = now
+            else:
+                self.gaps.append(now - self.last_token_at)  # type: ignore[operator]
+            self.last_token_at = now
+            self.token_events += 1
+        if "usage" in chunk and self.is_usage_stripped:
+            if not choices:
+                return None
+            chunk.pop("usage")
+            return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+        return event
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started
+
+    @property
+    def itl_mean_s(self) -> float | None:
+        return sum(self.gaps) / len(self.gaps) if self.gaps else None
+
+    @property
+    def itl_p95_s(self) -> float | None:
+        if not self.gaps:
+            return None
+        ordered = sorted(self.gaps)
+        return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+def response_usage_and_text(body: bytes, *, is_capturing: bool) -> tuple[dict | None, str]:
+    """The `usage` of a whole (non-streamed) response and, when asked, its text."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None, ""
+    if not isinstance(data, dict):
+        return None, ""
+    usage = data.get("usage") if isinstance(data.get("usage"), dict) else None
+    text = ""
+    if is_capturing:
+        parts = []
+        for choice in data.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            message = choice.get("message")
+            content = message.get("content") if isinstance(message, dict) else choice.get("text")
+            if isinstance(content, str):
+                parts.append(content)
+        text = "".join(parts)
+    return usage, text

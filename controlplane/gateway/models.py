@@ -1,0 +1,88 @@
+"""What the gateway leaves in the database: one sample per request, energy bookkeeping.
+
+Usage itself lives in `tenants.UsageRecord`; ingest adds to it in the same transaction
+that inserts the request's sample, so a sample exists exactly when its usage was counted.
+"""
+
+from django.db import models
+
+
+class RequestSample(models.Model):
+    """One finished, routed request: the per-version SLO signals rollout analysis reads."""
+
+    request_id = models.CharField(max_length=32, unique=True)  # hex uuid4 from the gateway
+    tenant = models.ForeignKey(
+        "tenants.Tenant", on_delete=models.PROTECT, related_name="request_samples"
+    )
+    version = models.ForeignKey(
+        "registry.ModelVersion", on_delete=models.PROTECT, related_name="request_samples"
+    )
+    deployment = models.CharField(max_length=100)
+    agent = models.CharField(max_length=255, blank=True)  # endpoint that served it
+    endpoint_kind = models.CharField(max_length=20)  # chat, completions, embeddings
+    status = models.PositiveSmallIntegerField()
+    is_error = models.BooleanField()  # status >= 500 (the agent's or the gateway's fault)
+    is_stream = models.BooleanField()
+    ttft_s = models.FloatField(null=True)  # streamed responses only
+    itl_mean_s = models.FloatField(null=True)
+    itl_p95_s = models.FloatField(null=True)
+    e2e_s = models.FloatField()
+    prompt_tokens = models.PositiveIntegerField()
+    completion_tokens = models.PositiveIntegerField()
+    finished_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["-finished_at", "-id"]
+        indexes = [
+            models.Index(fields=["version", "finished_at"]),
+            models.Index(fields=["agent", "finished_at"]),
+        ]
+
+    def __str__(self) -> str:
+        return self.request_id
+
+
+class PromptRecord(models.Model):
+    """A prompt and its completion, kept only for tenants whose policy says so."""
+
+    request_id = models.CharField(max_length=32, unique=True)
+    tenant = models.ForeignKey(
+        "tenants.Tenant", on_delete=models.CASCADE, related_name="prompt_records"
+    )
+    version = models.ForeignKey(
+        "registry.ModelVersion", on_delete=models.PROTECT, related_name="prompt_records"
+    )
+    prompt = models.TextField()
+    completion = models.TextField()
+    finished_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["-finished_at", "-id"]
+        indexes = [models.Index(fields=["tenant", "finished_at"])]
+
+    def __str__(self) -> str:
+        return self.request_id
+
+
+class EnergyAllocation(models.Model):
+    """One measured energy interval of one agent, attributed once to tenants by tokens.
+
+    `source_key` names the measurement (e.g. the fleet sample's id), so attributing the
+    same interval twice is refused by the unique constraint instead of double counting.
+    """
+
+    source_key = models.CharField(max_length=200, unique=True)
+    agent = models.CharField(max_length=255)  # endpoint, as in RequestSample.agent
+    interval_start = models.DateTimeField()
+    interval_end = models.DateTimeField()
+    energy_joules = models.FloatField()
+    attributed_joules = models.FloatField()  # == energy_joules when any tokens were served
+    tokens = models.PositiveBigIntegerField()
+    shares = models.JSONField()  # [{"tenant_id", "version_id", "tokens", "joules"}]
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-interval_start", "-id"]
+
+    def __str__(self) -> str:
+        return self.source_key

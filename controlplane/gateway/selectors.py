@@ -1,0 +1,54 @@
+"""Reads for the gateway (key grants) and for rollout analysis (request samples)."""
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db.models import QuerySet
+
+from controlplane.gateway.models import RequestSample
+from controlplane.tenants.models import PromptLogging
+from controlplane.tenants.selectors import api_key_authenticate
+
+
+@dataclass(slots=True, frozen=True)
+class KeyGrant:
+    """What the gateway needs to know about a live API key, cached in memory."""
+
+    key_id: int
+    tenant_id: int
+    tenant_slug: str
+    requests_per_minute: int
+    tokens_per_minute: int
+    allowed_models: frozenset[str]
+    scopes: frozenset[str]
+    is_prompt_logging: bool
+    expires_at: float | None  # unix time
+
+
+def key_grant_for_raw_key(raw_key: str) -> KeyGrant | None:
+    """The grant of a live key, or None (unknown, revoked, expired, inactive tenant)."""
+    found = api_key_authenticate(raw_key)
+    if found is None:
+        return None
+    key, tenant = found
+    return KeyGrant(
+        key_id=key.pk,
+        tenant_id=tenant.pk,
+        tenant_slug=tenant.slug,
+        requests_per_minute=tenant.requests_per_minute,
+        tokens_per_minute=tenant.tokens_per_minute,
+        allowed_models=frozenset(tenant.allowed_models.values_list("name", flat=True)),
+        scopes=frozenset(key.scopes or ()),
+        is_prompt_logging=tenant.prompt_logging == PromptLogging.FULL,
+        expires_at=key.expires_at.timestamp() if key.expires_at else None,
+    )
+
+
+def request_samples_for_versions(
+    *, version_ids: Iterable[int], since: datetime, until: datetime
+) -> QuerySet[RequestSample]:
+    """The samples of these versions finished in [since, until): what canary analysis reads."""
+    return RequestSample.objects.filter(
+        version_id__in=list(version_ids), finished_at__gte=since, finished_at__lt=until
+    )
