@@ -15,5 +15,5 @@ urlpatterns = [
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
     path("api/v1/", include("controlplane.api_urls")),
-    path("", core_views.home, name="home"),
+    path("", include("controlplane.dashboard.urls")),
 ]

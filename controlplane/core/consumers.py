@@ -2,16 +2,41 @@
 
 from typing import Any
 
+from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
 
-from controlplane.core.events import BROADCAST_GROUP
+from controlplane.accounts import access
 
 UNAUTHENTICATED_CLOSE_CODE = 4401
 
+ROLLOUTS_LIVE_GROUP = "live.rollouts"  # controlplane.rollouts.services.LIVE_GROUP
+AUDIT_LIVE_GROUP = "live.audit"
+
+
+def tenant_live_group(tenant_id: int) -> str:
+    """The group for one tenant's own events (usage, keys); only its members join it."""
+    return f"live.tenant.{tenant_id}"
+
 
 def live_groups_for_user(user: Any) -> list[str]:
-    """The Channels groups whose events this user may see."""
-    return [BROADCAST_GROUP]
+    """The Channels groups whose events this user may see.
+
+    Staff readers get the fleet, rollouts and audit groups; a tenant member only their
+    tenant's group; anyone else (no role, the agent service account) nothing. The
+    broadcast group ("live.all") is joined by no one: it carries events of every kind.
+    """
+    groups: list[str] = []
+    if access.can_view_fleet(user):
+        groups.append(settings.FLEET_LIVE_GROUP)
+    if access.is_staff_reader(user):
+        groups.append(ROLLOUTS_LIVE_GROUP)
+    if access.is_staff_reader(user):
+        groups.append(AUDIT_LIVE_GROUP)
+    tenant = access.tenant_for_user(user)
+    if tenant is not None:
+        groups.append(tenant_live_group(tenant.pk))
+    return groups
 
 
 class LiveUpdatesConsumer(AsyncJsonWebsocketConsumer):
@@ -22,7 +47,8 @@ class LiveUpdatesConsumer(AsyncJsonWebsocketConsumer):
         if user is None or not user.is_authenticated:
             await self.close(code=UNAUTHENTICATED_CLOSE_CODE)
             return
-        self.subscribed_groups = live_groups_for_user(user)
+        # The role lives in the database (user.membership); read it off the event loop.
+        self.subscribed_groups = await database_sync_to_async(live_groups_for_user)(user)
         for group in self.subscribed_groups:
             await self.channel_layer.group_add(group, self.channel_name)
         await self.accept()

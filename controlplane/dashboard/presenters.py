@@ -1,0 +1,287 @@
+"""Shaping domain objects for the pages: stage plans, chart series, comparisons, totals.
+
+Pure functions over what the selectors return; no writes and no permission decisions
+beyond asking `controlplane.accounts.access`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from django import forms
+from django.db.models import QuerySet
+
+from controlplane.accounts import access
+from controlplane.rollouts.models import ACTIVE_STATES, AnalysisRun, Rollout, RolloutState
+
+# Rollouts.
+
+# Which access check allows which transition, and from which states it is offered.
+TRANSITION_RULES: dict[str, tuple[Any, frozenset[str]]] = {
+    "promote": (access.can_steer_rollouts, frozenset({RolloutState.RUNNING})),
+    "pause": (
+        access.can_pause_or_rollback,
+        frozenset({RolloutState.PENDING, RolloutState.GATING, RolloutState.RUNNING}),
+    ),
+    "resume": (access.can_steer_rollouts, frozenset({RolloutState.PAUSED})),
+    "abort": (access.can_steer_rollouts, ACTIVE_STATES),
+    "rollback": (
+        access.can_pause_or_rollback,
+        frozenset({RolloutState.RUNNING, RolloutState.PAUSED}),
+    ),
+}
+
+TRANSITION_LABELS = {
+    "promote": "Promote",
+    "pause": "Pause",
+    "resume": "Resume",
+    "abort": "Abort",
+    "rollback": "Roll back",
+}
+
+
+def may_transition(user: Any, action: str) -> bool:
+    check, _ = TRANSITION_RULES[action]
+    return bool(check(user))
+
+
+def rollout_actions(user: Any, rollout: Rollout) -> list[dict[str, Any]]:
+    """The transitions this user may ask for on this rollout in its current state."""
+    actions = []
+    for action, (check, states) in TRANSITION_RULES.items():
+        if not check(user):
+            continue
+        if rollout.state not in states:
+            continue
+        actions.append(
+            {
+                "name": action,
+                "label": TRANSITION_LABELS[action],
+                "is_danger": action in {"rollback", "abort"},
+            }
+        )
+    return actions
+
+
+def stage_label(rollout: Rollout) -> str:
+    stage = rollout.current_stage
+    if rollout.state in {RolloutState.RUNNING, RolloutState.PAUSED} and stage is not None:
+        return f"{rollout.stage_index + 1}/{len(rollout.stages)} at {stage.get('weight', 0)}%"
+    return f"0/{len(rollout.stages)}" if rollout.state in ACTIVE_STATES else "-"
+
+
+def stage_plan(rollout: Rollout) -> list[dict[str, Any]]:
+    is_on_stages = rollout.state in {RolloutState.RUNNING, RolloutState.PAUSED}
+    plan = []
+    for index, stage in enumerate(rollout.stages):
+        is_passed = is_on_stages and index < rollout.stage_index
+        if rollout.state == RolloutState.PROMOTED or is_passed:
+            position = "done"
+        elif is_on_stages and index == rollout.stage_index:
+            position = "current"
+        else:
+            position = "next"
+        plan.append(
+            {
+                "index": index,
+                "number": index + 1,
+                "weight": stage.get("weight", 0),
+                "min_duration_s": stage.get("min_duration_s", 0),
+                "min_requests": stage.get("min_requests", 0),
+                "tenants": stage.get("tenants") or [],
+                "position": position,
+            }
+        )
+    return plan
+
+
+# The four signals charted on the rollout page: (key, title, unit, scale to the unit).
+SIGNALS = (
+    ("ttft_p95_ms", "TTFT p95", "ms", 1.0),
+    ("itl_p95_ms", "Inter-token latency p95", "ms", 1.0),
+    ("error_rate", "Error rate", "%", 100.0),
+    ("joules_per_token", "Energy per token", "J/token", 1.0),
+)
+
+
+def _scaled(figures: dict[str, Any], key: str, scale: float) -> float | None:
+    value = (figures or {}).get(key)
+    return None if value is None else float(value) * scale
+
+
+def analysis_series(runs: Iterable[AnalysisRun], rollout: Rollout) -> dict[str, Any]:
+    """Chart data: one point per run (oldest first) for canary and baseline of each signal."""
+    points = list(runs)
+    policy = rollout.policy or {}
+    limits = {
+        "ttft_p95_ms": policy.get("ttft_p95_max_ms"),
+        "itl_p95_ms": policy.get("itl_p95_max_ms"),
+        "error_rate": (
+            policy["error_rate_max"] * 100.0 if policy.get("error_rate_max") is not None else None
+        ),
+        "joules_per_token": None,
+    }
+    return {
+        "rollout_id": rollout.pk,
+        "state": rollout.state,
+        "stage_index": rollout.stage_index,
+        "times": [run.window_end.isoformat() for run in points],
+        "verdicts": [run.verdict for run in points],
+        "signals": [
+            {
+                "key": key,
+                "title": title,
+                "unit": unit,
+                "limit": limits[key],
+                "canary": [_scaled(run.canary, key, scale) for run in points],
+                "baseline": [_scaled(run.baseline, key, scale) for run in points],
+            }
+            for key, title, unit, scale in SIGNALS
+        ],
+    }
+
+
+# Registry.
+
+
+def evaluations_by_version(evaluations: QuerySet) -> dict[int, list[Any]]:
+    grouped: dict[int, list[Any]] = defaultdict(list)
+    for evaluation in evaluations:
+        grouped[evaluation.version_id].append(evaluation)
+    return dict(grouped)
+
+
+def signature_status(version: Any) -> str:
+    if version.is_verification_override:
+        return "override"
+    if version.signature and version.signing_key_id:
+        return "trusted" if version.signing_key.is_trusted else "untrusted key"
+    return "unsigned"
+
+
+def version_comparison(left: Any, right: Any) -> list[dict[str, Any]]:
+    """Rows of (field, left value, right value, differs) for the side-by-side view."""
+
+    def facts(version: Any) -> dict[str, Any]:
+        row = {
+            "Model": version.model.name,
+            "Label": version.label,
+            "Status": version.get_status_display(),
+            "Digest": f"sha256:{version.artifact_id}",
+            "Format": version.artifact.format,
+            "Size (bytes)": version.artifact.size_bytes,
+            "Signature": signature_status(version),
+            "Signing key": version.signing_key.key_id if version.signing_key_id else "",
+            "Source": version.source,
+            "Base version": str(version.base_version) if version.base_version_id else "",
+            "Created": version.created_at.strftime("%Y-%m-%d %H:%M UTC"),
+        }
+        for key, value in sorted((version.serving_config or {}).items()):
+            row[f"serving: {key}"] = value
+        return row
+
+    left_facts, right_facts = facts(left), facts(right)
+    names = list(dict.fromkeys([*left_facts, *right_facts]))
+    return [
+        {
+            "name": name,
+            "left": left_facts.get(name, ""),
+            "right": right_facts.get(name, ""),
+            "differs": left_facts.get(name, "") != right_facts.get(name, ""),
+        }
+        for name in names
+    ]
+
+
+def evaluation_comparison(left: list[Any], right: list[Any]) -> list[dict[str, Any]]:
+    """The newest result of each suite and metric for both versions."""
+
+    def newest(evaluations: list[Any]) -> dict[tuple[str, str], Any]:
+        values: dict[tuple[str, str], Any] = {}
+        for evaluation in sorted(evaluations, key=lambda item: item.created_at):
+            for metric, value in (evaluation.metrics or {}).items():
+                values[(evaluation.suite.name, metric)] = (value, evaluation.passed)
+        return values
+
+    left_values, right_values = newest(left), newest(right)
+    keys = sorted(set(left_values) | set(right_values))
+    return [
+        {
+            "suite": suite,
+            "metric": metric,
+            "left": left_values.get((suite, metric)),
+            "right": right_values.get((suite, metric)),
+        }
+        for suite, metric in keys
+    ]
+
+
+# Tenants.
+
+USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "errors", "energy_joules")
+
+
+def usage_totals(rows: Iterable[dict[str, Any]]) -> dict[str, float]:
+    totals = dict.fromkeys(USAGE_FIELDS, 0.0)
+    for row in rows:
+        for field in USAGE_FIELDS:
+            totals[field] += row.get(field) or 0
+    totals["tokens"] = totals["prompt_tokens"] + totals["completion_tokens"]
+    return totals
+
+
+def usage_series(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per model and version, a value per bucket (oldest first) for each usage measure."""
+    buckets = sorted({row["bucket"] for row in rows})
+    index = {bucket: position for position, bucket in enumerate(buckets)}
+    series: dict[str, dict[str, list[float]]] = {}
+    for row in rows:
+        name = f"{row['model_name']}:{row['version_label']}"
+        measures = series.setdefault(
+            name,
+            {
+                measure: [0.0] * len(buckets)
+                for measure in ("tokens", "requests", "errors", "energy_joules")
+            },
+        )
+        position = index[row["bucket"]]
+        measures["tokens"][position] += (row["prompt_tokens"] or 0) + (
+            row["completion_tokens"] or 0
+        )
+        measures["requests"][position] += row["requests"] or 0
+        measures["errors"][position] += row["errors"] or 0
+        measures["energy_joules"][position] += row["energy_joules"] or 0.0
+    return {
+        "times": [bucket.isoformat() for bucket in buckets],
+        "series": [{"name": name, **measures} for name, measures in sorted(series.items())],
+    }
+
+
+# Audit and forms.
+
+
+def audit_filter(
+    events: QuerySet, *, actor: str, object_type: str, object_id: str, action: str
+) -> QuerySet:
+    if actor:
+        events = events.filter(actor_name=actor)
+    if object_type:
+        events = events.filter(object_type=object_type)
+    if object_id:
+        events = events.filter(object_id=object_id)
+    if action.endswith("."):
+        events = events.filter(action__startswith=action)
+    elif action:
+        events = events.filter(action=action)
+    return events
+
+
+def form_errors(form: forms.Form) -> str:
+    return "; ".join(
+        f"{field}: {' '.join(str(error) for error in errors)}"
+        if field != "__all__"
+        else " ".join(str(error) for error in errors)
+        for field, errors in form.errors.items()
+    )

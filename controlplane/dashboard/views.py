@@ -1,0 +1,494 @@
+"""Dashboard pages: thin views that check access, call one selector or service and render.
+
+Every permission comes from `controlplane.accounts.access`. A page the role may not open is
+403, except tenants' pages: a tenant member asking for another tenant gets 404, so that
+they cannot learn it exists. Domain refusals (a stale rollout, a lost agent) come back as a
+message on the page they were made from.
+
+A page may be asked for one of its fragments (`?fragment=<name>`): the live client
+(static/dashboard/live.js) refetches them when a websocket event says they changed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.utils import timezone
+from django.views.decorators.http import require_GET, require_POST
+
+from controlplane.accounts import access
+from controlplane.audit.selectors import audit_event_list
+from controlplane.core.errors import DomainError, Forbidden, NotFound
+from controlplane.dashboard import forms, presenters
+from controlplane.fleet import selectors as fleet_selectors
+from controlplane.fleet import services as fleet_services
+from controlplane.fleet.models import AgentState
+from controlplane.registry import selectors as registry_selectors
+from controlplane.registry.models import VersionStatus
+from controlplane.rollouts import selectors as rollout_selectors
+from controlplane.rollouts import services as rollout_services
+from controlplane.rollouts.models import ACTIVE_STATES
+from controlplane.tenants import selectors as tenant_selectors
+from controlplane.tenants import services as tenant_services
+
+SPARKLINE_WINDOW = timedelta(minutes=10)
+ENERGY_WINDOW = timedelta(minutes=5)
+AUDIT_PAGE_SIZE = 50
+ANALYSIS_RUNS_SHOWN = 200
+
+
+def _require(allowed: bool) -> None:
+    if not allowed:
+        raise PermissionDenied
+
+
+def _render(
+    request: HttpRequest,
+    template: str,
+    context: dict[str, Any],
+    fragments: dict[str, str] | None = None,
+    status: int = 200,
+) -> HttpResponse:
+    """The page, or one of its fragments when the live client asks for it."""
+    fragment = request.GET.get("fragment")
+    if fragment:
+        if not fragments or fragment not in fragments:
+            raise Http404("No such fragment.")
+        template = fragments[fragment]
+    return render(request, template, context, status=status)
+
+
+def _domain_error(request: HttpRequest, error: DomainError) -> None:
+    if isinstance(error, Forbidden):
+        raise PermissionDenied(error.message)
+    if isinstance(error, NotFound):
+        raise Http404(error.message)
+    messages.error(request, error.message)
+
+
+# Overview.
+
+
+def _fleet_summary() -> dict[str, Any]:
+    agents = list(fleet_selectors.agent_list())
+    now = timezone.now()
+    by_state = Counter(agent.state for agent in agents)
+    live_agents = [agent for agent in agents if agent.state != AgentState.LOST]
+    power = sum(float((agent.figures or {}).get("power_watts") or 0.0) for agent in live_agents)
+    joules = 0.0
+    tokens = 0
+    for agent in live_agents:
+        for bucket in fleet_selectors.agent_history(
+            agent=agent, since=now - ENERGY_WINDOW, until=now
+        ):
+            joules += bucket["energy_joules"]
+            tokens += bucket["generated_tokens"]
+    return {
+        "agent_count": len(agents),
+        "by_state": [
+            {"state": state, "label": label, "count": by_state.get(state, 0)}
+            for state, label in AgentState.choices
+            if by_state.get(state)
+        ],
+        "ready_count": by_state.get(AgentState.READY, 0),
+        "power_watts": power,
+        "joules_per_token": joules / tokens if tokens else None,
+        "tokens_window": tokens,
+    }
+
+
+def _active_rollouts() -> list[dict[str, Any]]:
+    rows = []
+    for rollout in rollout_selectors.rollout_list().filter(state__in=ACTIVE_STATES):
+        last_run = rollout_selectors.analysis_run_list(rollout=rollout).first()
+        rows.append({"rollout": rollout, "stage": presenters.stage_label(rollout), "run": last_run})
+    return rows
+
+
+@login_required
+@require_GET
+def overview(request: HttpRequest) -> HttpResponse:
+    own_tenant = access.tenant_for_user(request.user)
+    if own_tenant is not None:
+        return redirect("dashboard:tenant-detail", tenant_id=own_tenant.pk)
+    _require(access.is_staff_reader(request.user))
+    context = {
+        "fleet": _fleet_summary(),
+        "active_rollouts": _active_rollouts(),
+        "recent_events": audit_event_list(user=request.user)[:12],
+    }
+    return _render(
+        request,
+        "dashboard/overview.html",
+        context,
+        fragments={
+            "fleet": "dashboard/partials/overview_fleet.html",
+            "rollouts": "dashboard/partials/overview_rollouts.html",
+            "audit": "dashboard/partials/audit_rows.html",
+        },
+    )
+
+
+# Rollouts.
+
+
+@login_required
+@require_GET
+def rollout_list(request: HttpRequest) -> HttpResponse:
+    _require(access.is_staff_reader(request.user))
+    rollouts = rollout_selectors.rollout_list()[:100]
+    rows = [{"rollout": rollout, "stage": presenters.stage_label(rollout)} for rollout in rollouts]
+    context = {"rows": rows, "deployments": rollout_selectors.deployment_list()}
+    return _render(
+        request,
+        "dashboard/rollout_list.html",
+        context,
+        fragments={"table": "dashboard/partials/rollout_table.html"},
+    )
+
+
+def _rollout_or_404(rollout_id: int) -> Any:
+    return get_object_or_404(rollout_selectors.rollout_list(), pk=rollout_id)
+
+
+@login_required
+@require_GET
+def rollout_detail(request: HttpRequest, rollout_id: int) -> HttpResponse:
+    _require(access.is_staff_reader(request.user))
+    rollout = _rollout_or_404(rollout_id)
+    runs = list(rollout_selectors.analysis_run_list(rollout=rollout)[:ANALYSIS_RUNS_SHOWN])
+    context = {
+        "rollout": rollout,
+        "stages": presenters.stage_plan(rollout),
+        "runs": runs,
+        "actions": presenters.rollout_actions(request.user, rollout),
+        "policy": rollout_services.rollout_policy(rollout),
+        "events": audit_event_list(user=request.user).filter(
+            object_type="rollout", object_id=str(rollout.pk)
+        )[:20],
+        "is_active": rollout.state in ACTIVE_STATES,
+    }
+    return _render(
+        request,
+        "dashboard/rollout_detail.html",
+        context,
+        fragments={
+            "status": "dashboard/partials/rollout_status.html",
+            "runs": "dashboard/partials/rollout_runs.html",
+            "events": "dashboard/partials/audit_rows.html",
+        },
+    )
+
+
+@login_required
+@require_GET
+def rollout_series(request: HttpRequest, rollout_id: int) -> JsonResponse:
+    """Canary against baseline per analysis run, oldest first, for the live charts."""
+    _require(access.is_staff_reader(request.user))
+    rollout = _rollout_or_404(rollout_id)
+    runs = list(rollout_selectors.analysis_run_list(rollout=rollout)[:ANALYSIS_RUNS_SHOWN])
+    return JsonResponse(presenters.analysis_series(reversed(runs), rollout))
+
+
+TRANSITIONS = {
+    "promote": rollout_services.rollout_advance,
+    "pause": rollout_services.rollout_pause,
+    "resume": rollout_services.rollout_resume,
+    "abort": rollout_services.rollout_abort,
+    "rollback": rollout_services.rollout_rollback,
+}
+
+
+@login_required
+@require_POST
+def rollout_transition(request: HttpRequest, rollout_id: int, action: str) -> HttpResponse:
+    if action not in TRANSITIONS:
+        raise Http404("No such action.")
+    _require(presenters.may_transition(request.user, action))
+    rollout = _rollout_or_404(rollout_id)
+    form = forms.ReasonForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, "A reason is required.")
+        return redirect("dashboard:rollout-detail", rollout_id=rollout.pk)
+    data = form.cleaned_data
+    extra: dict[str, Any] = {}
+    if data["expected_revision"] is not None:
+        extra["expected_revision"] = data["expected_revision"]
+    if action == "promote":
+        extra["full"] = data["full"]
+    try:
+        result = TRANSITIONS[action](
+            actor=request.user, rollout_id=rollout.pk, reason=data["reason"], **extra
+        )
+    except DomainError as error:
+        _domain_error(request, error)
+    else:
+        messages.success(request, f"Rollout {result.pk} is {result.get_state_display()}.")
+    return redirect("dashboard:rollout-detail", rollout_id=rollout.pk)
+
+
+# Registry.
+
+
+@login_required
+@require_GET
+def registry(request: HttpRequest) -> HttpResponse:
+    _require(access.can_view_registry(request.user))
+    versions = list(registry_selectors.version_list().order_by("model__name", "-created_at", "-id"))
+    evaluations = presenters.evaluations_by_version(
+        registry_selectors.evaluation_list().filter(version__in=versions)
+    )
+    models = []
+    for model in registry_selectors.model_list():
+        rows = [
+            {"version": version, "evaluations": evaluations.get(version.pk, [])}
+            for version in versions
+            if version.model_id == model.pk
+        ]
+        models.append({"model": model, "versions": rows})
+    return render(request, "dashboard/registry.html", {"models": models, "versions": versions})
+
+
+@login_required
+@require_GET
+def version_detail(request: HttpRequest, version_id: int) -> HttpResponse:
+    _require(access.can_view_registry(request.user))
+    version = get_object_or_404(registry_selectors.version_list(), pk=version_id)
+    context = {
+        "version": version,
+        "evaluations": registry_selectors.evaluation_list().filter(version=version),
+        "siblings": registry_selectors.version_list()
+        .filter(model=version.model)
+        .exclude(pk=version.pk),
+    }
+    return render(request, "dashboard/version_detail.html", context)
+
+
+@login_required
+@require_GET
+def version_compare(request: HttpRequest) -> HttpResponse:
+    _require(access.can_view_registry(request.user))
+    versions = registry_selectors.version_list()
+    ids = [request.GET.get("a", ""), request.GET.get("b", "")]
+    if not all(value.isdigit() for value in ids):
+        raise Http404("Name two versions: ?a=<id>&b=<id>.")
+    left = get_object_or_404(versions, pk=int(ids[0]))
+    right = get_object_or_404(versions, pk=int(ids[1]))
+    evaluations = presenters.evaluations_by_version(
+        registry_selectors.evaluation_list().filter(version__in=[left, right])
+    )
+    context = {
+        "left": left,
+        "right": right,
+        "rows": presenters.version_comparison(left, right),
+        "metric_rows": presenters.evaluation_comparison(
+            evaluations.get(left.pk, []), evaluations.get(right.pk, [])
+        ),
+        "all_versions": versions,
+    }
+    return render(request, "dashboard/version_compare.html", context)
+
+
+# Fleet.
+
+
+@login_required
+@require_GET
+def fleet(request: HttpRequest) -> HttpResponse:
+    _require(access.can_view_fleet(request.user))
+    now = timezone.now()
+    rows = []
+    for agent in fleet_selectors.agent_list():
+        history = fleet_selectors.agent_history(
+            agent=agent, since=now - SPARKLINE_WINDOW, until=now
+        )
+        rows.append({"agent": agent, "figures": agent.figures or {}, "history": history})
+    context = {
+        "rows": rows,
+        "may_command": access.can_command_agents(request.user),
+        "loadable_versions": registry_selectors.version_list().filter(
+            status__in=[VersionStatus.VERIFIED, VersionStatus.EVALUATED, VersionStatus.APPROVED]
+        ),
+    }
+    return _render(
+        request,
+        "dashboard/fleet.html",
+        context,
+        fragments={"table": "dashboard/partials/fleet_table.html"},
+    )
+
+
+@login_required
+@require_POST
+def agent_command(request: HttpRequest, agent_name: str) -> HttpResponse:
+    _require(access.can_command_agents(request.user))
+    form = forms.AgentCommandForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, presenters.form_errors(form))
+        return redirect("dashboard:fleet")
+    data = form.cleaned_data
+    try:
+        command = fleet_services.agent_command_send(
+            actor=request.user,
+            agent_name=agent_name,
+            kind=data["kind"],
+            version_id=data["version_id"],
+            reason=data["reason"],
+        )
+    except DomainError as error:
+        _domain_error(request, error)
+    else:
+        messages.success(request, f"Sent {command.kind} to {agent_name}.")
+    return redirect("dashboard:fleet")
+
+
+# Tenants.
+
+
+@login_required
+@require_GET
+def tenant_list(request: HttpRequest) -> HttpResponse:
+    own_tenant = access.tenant_for_user(request.user)
+    if own_tenant is not None:
+        return redirect("dashboard:tenant-detail", tenant_id=own_tenant.pk)
+    _require(access.can_list_tenants(request.user))
+    tenants = tenant_selectors.tenant_list(user=request.user)
+    since = timezone.now() - timedelta(days=1)
+    rows = [
+        {
+            "tenant": tenant,
+            "totals": presenters.usage_totals(
+                tenant_selectors.usage_aggregate(tenant=tenant, granularity="day", since=since)
+            ),
+        }
+        for tenant in tenants
+    ]
+    return render(request, "dashboard/tenant_list.html", {"rows": rows})
+
+
+def _visible_tenant(request: HttpRequest, tenant_id: int) -> Any:
+    try:
+        return tenant_selectors.tenant_get_visible(user=request.user, tenant_id=tenant_id)
+    except NotFound as error:
+        raise Http404(error.message) from error
+
+
+def _tenant_context(request: HttpRequest, tenant: Any) -> dict[str, Any]:
+    filters = forms.UsageFilterForm(request.GET)
+    granularity = "hour"
+    if filters.is_valid() and filters.cleaned_data["granularity"]:
+        granularity = filters.cleaned_data["granularity"]
+    span = timedelta(days=2) if granularity == "hour" else timedelta(days=30)
+    usage = list(
+        tenant_selectors.usage_aggregate(
+            tenant=tenant, granularity=granularity, since=timezone.now() - span
+        )
+    )
+    may_manage_keys = access.can_manage_api_keys(request.user, tenant)
+    return {
+        "tenant": tenant,
+        "filters": filters,
+        "granularity": granularity,
+        "usage": usage,
+        "usage_series": presenters.usage_series(usage),
+        "totals": presenters.usage_totals(usage),
+        "keys": tenant_selectors.api_key_list(tenant=tenant),
+        "may_manage_keys": may_manage_keys,
+        "key_form": forms.ApiKeyCreateForm() if may_manage_keys else None,
+        "live_group_tenant": tenant.pk,
+    }
+
+
+@login_required
+@require_GET
+def tenant_detail(request: HttpRequest, tenant_id: int) -> HttpResponse:
+    tenant = _visible_tenant(request, tenant_id)
+    return _render(
+        request,
+        "dashboard/tenant_detail.html",
+        _tenant_context(request, tenant),
+        fragments={"usage": "dashboard/partials/tenant_usage.html"},
+    )
+
+
+@login_required
+@require_POST
+def api_key_create(request: HttpRequest, tenant_id: int) -> HttpResponse:
+    tenant = _visible_tenant(request, tenant_id)
+    _require(access.can_manage_api_keys(request.user, tenant))
+    form = forms.ApiKeyCreateForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, presenters.form_errors(form))
+        return redirect("dashboard:tenant-detail", tenant_id=tenant.pk)
+    try:
+        created = tenant_services.api_key_create(
+            actor=request.user,
+            tenant=tenant,
+            name=form.cleaned_data["name"],
+            scopes=form.cleaned_data["scopes"],
+            expires_at=form.cleaned_data["expires_at"],
+        )
+    except DomainError as error:
+        _domain_error(request, error)
+        return redirect("dashboard:tenant-detail", tenant_id=tenant.pk)
+    # The raw key is in this response only: never stored, never in a cookie or the session.
+    context = _tenant_context(request, tenant)
+    context["created_key"] = created
+    response = render(request, "dashboard/tenant_detail.html", context, status=201)
+    response["Cache-Control"] = "no-store"
+    return response
+
+
+@login_required
+@require_POST
+def api_key_revoke(request: HttpRequest, tenant_id: int, key_id: int) -> HttpResponse:
+    tenant = _visible_tenant(request, tenant_id)
+    _require(access.can_manage_api_keys(request.user, tenant))
+    key = get_object_or_404(tenant_selectors.api_key_list(tenant=tenant), pk=key_id)
+    form = forms.ApiKeyRevokeForm(request.POST)
+    reason = form.cleaned_data["reason"] if form.is_valid() else ""
+    try:
+        tenant_services.api_key_revoke(actor=request.user, key=key, reason=reason)
+    except DomainError as error:
+        _domain_error(request, error)
+    else:
+        messages.success(request, f"Key {key.prefix}… is revoked.")
+    return redirect("dashboard:tenant-detail", tenant_id=tenant.pk)
+
+
+# Audit.
+
+
+@login_required
+@require_GET
+def audit_log(request: HttpRequest) -> HttpResponse:
+    _require(access.can_view_audit(request.user))
+    form = forms.AuditFilterForm(request.GET)
+    events = audit_event_list(user=request.user)
+    if form.is_valid():
+        events = presenters.audit_filter(events, **form.cleaned_data)
+    page = Paginator(events, AUDIT_PAGE_SIZE).get_page(request.GET.get("page"))
+    query = request.GET.copy()
+    query.pop("page", None)
+    context = {
+        "form": form,
+        "page": page,
+        "events": page.object_list,
+        "query": query.urlencode(),
+        "audit_url": reverse("dashboard:audit"),
+    }
+    return _render(
+        request,
+        "dashboard/audit.html",
+        context,
+        fragments={"rows": "dashboard/partials/audit_rows.html"},
+    )

@@ -1,0 +1,258 @@
+"""The dashboard over HTTP (Django's test client): who may open and do what, and CSRF."""
+
+import pytest
+from django.test import Client
+
+from controlplane.accounts.roles import Role
+from controlplane.audit.models import AuditEvent
+from controlplane.rollouts.models import Rollout, RolloutState
+from controlplane.tenants.models import ApiKey
+from tests.dashboard.conftest import STAFF_ROLES
+
+pytestmark = pytest.mark.django_db
+
+STAFF_PAGES = [
+    "/",
+    "/rollouts/",
+    "/rollouts/{rollout}/",
+    "/rollouts/{rollout}/series.json",
+    "/registry/",
+    "/registry/versions/{stable}/",
+    "/registry/compare/?a={stable}&b={candidate}",
+    "/fleet/",
+    "/tenants/",
+    "/tenants/{acme}/",
+    "/tenants/{globex}/",
+    "/audit/",
+]
+
+
+def _url(template: str, world) -> str:
+    return template.format(
+        rollout=world.rollout.pk,
+        stable=world.stable.pk,
+        candidate=world.candidate.pk,
+        acme=world.acme.pk,
+        globex=world.globex.pk,
+    )
+
+
+def test_anonymous_is_sent_to_login(world) -> None:
+    response = Client().get("/fleet/")
+    assert response.status_code == 302
+    assert response["Location"] == "/accounts/login/?next=/fleet/"
+
+
+@pytest.mark.parametrize("role", STAFF_ROLES)
+def test_staff_open_every_page(world, client_for, role) -> None:
+    client = client_for(role)
+    for template in STAFF_PAGES:
+        response = client.get(_url(template, world))
+        assert response.status_code == 200, template
+
+
+def test_tenant_member_sees_own_tenant_only(world, client_for) -> None:
+    client = client_for(Role.TENANT_MEMBER)
+    assert client.get("/").url == f"/tenants/{world.acme.pk}/"
+    assert client.get("/tenants/").url == f"/tenants/{world.acme.pk}/"
+    own = client.get(f"/tenants/{world.acme.pk}/")
+    assert own.status_code == 200
+    assert b"Acme Corp" in own.content
+    assert client.get(f"/tenants/{world.globex.pk}/").status_code == 404
+    assert client.get("/tenants/999999/").status_code == 404
+    for template in ["/rollouts/{rollout}/", "/registry/", "/fleet/", "/rollouts/"]:
+        assert client.get(_url(template, world)).status_code == 403, template
+
+
+def test_tenant_member_audit_log_shows_only_their_tenant(world, client_for) -> None:
+    client_for(Role.ADMIN).post(
+        f"/tenants/{world.globex.pk}/keys/", {"name": "globex-ci", "scopes": ["chat"]}
+    )
+    client_for(Role.ADMIN).post(
+        f"/tenants/{world.acme.pk}/keys/", {"name": "acme-ci", "scopes": ["chat"]}
+    )
+    page = client_for(Role.TENANT_MEMBER).get("/audit/").content.decode()
+    assert "acme/acme-ci" in page
+    assert "globex" not in page
+
+
+def test_fragments_render_and_unknown_fragment_is_404(world, client_for) -> None:
+    client = client_for(Role.VIEWER)
+    status = client.get(f"/rollouts/{world.rollout.pk}/?fragment=status")
+    assert status.status_code == 200
+    assert b"<html" not in status.content
+    assert b'data-testid="rollout-state"' in status.content
+    assert client.get(f"/rollouts/{world.rollout.pk}/?fragment=nope").status_code == 404
+
+
+def test_series_has_canary_and_baseline_per_run(world, client_for) -> None:
+    data = client_for(Role.VIEWER).get(f"/rollouts/{world.rollout.pk}/series.json").json()
+    assert len(data["times"]) == 6
+    ttft = next(signal for signal in data["signals"] if signal["key"] == "ttft_p95_ms")
+    assert ttft["canary"] == [150.0, 152.0, 154.0, 156.0, 158.0, 160.0]
+    assert ttft["baseline"] == [180.0, 181.0, 182.0, 183.0, 184.0, 185.0]
+    errors = next(signal for signal in data["signals"] if signal["key"] == "error_rate")
+    assert errors["canary"] == [1.0] * 6  # percent
+
+
+def test_actions_shown_by_role(world, client_for) -> None:
+    def buttons(role: str) -> set[str]:
+        page = client_for(role).get(f"/rollouts/{world.rollout.pk}/").content.decode()
+        return {
+            name
+            for name in ("promote", "pause", "abort", "rollback")
+            if f'data-action="{name}"' in page
+        }
+
+    assert buttons(Role.RELEASE_MANAGER) == {"promote", "pause", "abort", "rollback"}
+    assert buttons(Role.ON_CALL) == {"pause", "rollback"}
+    assert buttons(Role.VIEWER) == set()
+
+
+def test_viewer_cannot_roll_back_and_nothing_changes(world, client_for) -> None:
+    events_before = AuditEvent.objects.count()
+    response = client_for(Role.VIEWER).post(
+        f"/rollouts/{world.rollout.pk}/rollback/", {"reason": "I want to"}
+    )
+    assert response.status_code == 403
+    rollout = Rollout.objects.get(pk=world.rollout.pk)
+    assert rollout.state == RolloutState.RUNNING
+    assert AuditEvent.objects.count() == events_before
+
+
+def test_on_call_cannot_promote(world, client_for) -> None:
+    response = client_for(Role.ON_CALL).post(
+        f"/rollouts/{world.rollout.pk}/promote/", {"reason": "ship it"}
+    )
+    assert response.status_code == 403
+    assert Rollout.objects.get(pk=world.rollout.pk).stage_index == 0
+
+
+def test_rollback_requires_a_reason(world, client_for) -> None:
+    client = client_for(Role.ON_CALL)
+    response = client.post(f"/rollouts/{world.rollout.pk}/rollback/", {"reason": "  "}, follow=True)
+    assert b"A reason is required." in response.content
+    assert Rollout.objects.get(pk=world.rollout.pk).state == RolloutState.RUNNING
+
+
+def test_rollback_with_reason_records_audit(world, client_for) -> None:
+    rollout = world.rollout
+    response = client_for(Role.ON_CALL).post(
+        f"/rollouts/{rollout.pk}/rollback/",
+        {"reason": "latency alarm", "expected_revision": rollout.revision},
+    )
+    assert response.status_code == 302
+    rollout.refresh_from_db()
+    assert rollout.state == RolloutState.ROLLED_BACK
+    event = AuditEvent.objects.filter(action="rollout.rollback").get()
+    assert (event.actor_name, event.reason, event.object_id) == (
+        "on-call",
+        "latency alarm",
+        str(rollout.pk),
+    )
+
+
+def test_stale_revision_is_refused_with_a_message(world, client_for) -> None:
+    rollout = world.rollout
+    response = client_for(Role.RELEASE_MANAGER).post(
+        f"/rollouts/{rollout.pk}/promote/",
+        {"reason": "next", "expected_revision": rollout.revision - 1},
+        follow=True,
+    )
+    assert b"The rollout moved on" in response.content
+    assert Rollout.objects.get(pk=rollout.pk).stage_index == 0
+
+
+def test_promote_advances_one_stage(world, client_for) -> None:
+    client_for(Role.RELEASE_MANAGER).post(
+        f"/rollouts/{world.rollout.pk}/promote/", {"reason": "looks good"}
+    )
+    rollout = Rollout.objects.get(pk=world.rollout.pk)
+    assert (rollout.state, rollout.stage_index) == (RolloutState.RUNNING, 1)
+
+
+def test_api_key_shown_once_then_only_prefix(world, client_for) -> None:
+    client = client_for(Role.TENANT_MEMBER)
+    response = client.post(
+        f"/tenants/{world.acme.pk}/keys/", {"name": "ci", "scopes": ["chat", "embeddings"]}
+    )
+    assert response.status_code == 201
+    assert response["Cache-Control"] == "no-store"
+    key = ApiKey.objects.get(tenant=world.acme, name="ci")
+    raw = response.context["created_key"].raw_key
+    assert raw.startswith(key.prefix)
+    assert raw in response.content.decode()
+    again = client.get(f"/tenants/{world.acme.pk}/").content.decode()
+    assert raw not in again
+    assert key.prefix in again
+
+
+def test_tenant_member_cannot_touch_another_tenants_keys(world, client_for) -> None:
+    client = client_for(Role.TENANT_MEMBER)
+    response = client.post(f"/tenants/{world.globex.pk}/keys/", {"name": "x", "scopes": ["chat"]})
+    assert response.status_code == 404
+    assert not ApiKey.objects.filter(tenant=world.globex).exists()
+
+
+def test_viewer_cannot_create_keys(world, client_for) -> None:
+    response = client_for(Role.VIEWER).post(
+        f"/tenants/{world.acme.pk}/keys/", {"name": "x", "scopes": ["chat"]}
+    )
+    assert response.status_code == 403
+    assert not ApiKey.objects.exists()
+
+
+def test_revoke_key(world, client_for) -> None:
+    client = client_for(Role.TENANT_MEMBER)
+    client.post(f"/tenants/{world.acme.pk}/keys/", {"name": "ci", "scopes": ["chat"]})
+    key = ApiKey.objects.get(name="ci")
+    client.post(f"/tenants/{world.acme.pk}/keys/{key.pk}/revoke/", {"reason": "leaked"})
+    key.refresh_from_db()
+    assert key.revoked_at is not None
+    assert AuditEvent.objects.filter(action="api_key.revoke", reason="leaked").count() == 1
+
+
+def test_viewer_cannot_command_agents(world, client_for) -> None:
+    response = client_for(Role.VIEWER).post(
+        "/fleet/agent-1/command/", {"kind": "drain", "reason": "maintenance"}
+    )
+    assert response.status_code == 403
+    assert not AuditEvent.objects.filter(action__startswith="agent.command").exists()
+
+
+def test_on_call_drains_an_agent(world, client_for, redis_client) -> None:
+    response = client_for(Role.ON_CALL).post(
+        "/fleet/agent-1/command/", {"kind": "drain", "reason": "maintenance"}
+    )
+    assert response.status_code == 302
+    event = AuditEvent.objects.get(action="agent.command.drain")
+    assert (event.object_id, event.reason) == ("agent-1", "maintenance")
+    assert redis_client.xlen("agent:agent-1:commands") == 1
+
+
+def test_audit_filters(world, client_for) -> None:
+    client = client_for(Role.ADMIN)
+    client.post(f"/rollouts/{world.rollout.pk}/pause/", {"reason": "look closer"})
+    page = client.get("/audit/", {"actor": "admin", "action": "rollout."}).content.decode()
+    assert "rollout.pause" in page
+    assert "user.create" not in page
+    page = client.get("/audit/", {"object_type": "tenant"}).content.decode()
+    assert "rollout.pause" not in page
+
+
+FORMS = [
+    ("/rollouts/{rollout}/rollback/", {"reason": "r"}),
+    ("/fleet/agent-1/command/", {"kind": "drain", "reason": "r"}),
+    ("/tenants/{acme}/keys/", {"name": "k", "scopes": ["chat"]}),
+    ("/accounts/logout/", {}),
+]
+
+
+@pytest.mark.parametrize(("template", "data"), FORMS)
+def test_forms_refuse_a_missing_csrf_token(world, client_for, template, data) -> None:
+    client = client_for(Role.ADMIN, enforce_csrf_checks=True)
+    events_before = AuditEvent.objects.count()
+    response = client.post(_url(template, world), data)
+    assert response.status_code == 403
+    assert AuditEvent.objects.count() == events_before
+    assert Rollout.objects.get(pk=world.rollout.pk).state == RolloutState.RUNNING
