@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench services venv clean
+.PHONY: demo test lint bench services browser venv clean
 
 venv: $(STAMP)
 
@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml
 services:
 	@scripts/ensure_services.sh
 
+# Debian's headless Chromium for the dashboard's browser tests (apt-get when missing).
+browser: venv
+	@scripts/ensure_browser.sh
+
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -27,7 +31,7 @@ lint: venv
 	DATABASE_URL=sqlite:///:memory: DJANGO_SETTINGS_MODULE=controlplane.settings_test \
 		$(BIN)/python manage.py makemigrations --check --dry-run
 
-test: venv services lint
+test: venv services browser lint
 	$(BIN)/pytest
 
 demo: venv

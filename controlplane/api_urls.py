@@ -6,6 +6,7 @@ urlpatterns = [
     path("", include("controlplane.accounts.urls")),
     path("", include("controlplane.audit.urls")),
     path("", include("controlplane.registry.urls")),
+    path("", include("controlplane.rollouts.urls")),
     path("", include("controlplane.tenants.urls")),
     path("fleet/", include("controlplane.fleet.urls")),
 ]

@@ -48,7 +48,6 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
     "django_filters",
     "drf_spectacular",
     "channels",
@@ -58,6 +57,9 @@ INSTALLED_APPS = [
     "controlplane.registry",
     "controlplane.tenants",
     "controlplane.fleet",
+    "controlplane.rollouts",
+    "controlplane.gateway",
+    "controlplane.dashboard",
 ]
 
 MIDDLEWARE = [
@@ -135,6 +137,8 @@ CELERY_RESULT_EXPIRES = 3600
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 600}
 CELERY_TIMEZONE = "UTC"
+# Periodic tasks; each domain block below adds its own entries.
+CELERY_BEAT_SCHEDULE: dict[str, dict] = {}
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
@@ -160,8 +164,9 @@ ARTIFACT_ROOT = Path(os.environ.get("ARTIFACT_ROOT", DEMO_DIR / "artifacts"))
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
+        # First, so an unauthenticated request is answered 401 with WWW-Authenticate: Bearer.
+        "controlplane.accounts.authentication.BearerTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
-        "rest_framework.authentication.TokenAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
@@ -213,4 +218,77 @@ LOGGING = {
     "loggers": {
         "django.db.backends": {"level": "WARNING"},
     },
+}
+
+# Registry and tenants
+# The largest artifact an upload (or register_artifact) accepts, in bytes.
+ARTIFACT_MAX_BYTES = int(os.environ.get("ARTIFACT_MAX_BYTES", str(8 * 1024**3)))
+# Chunk size for streaming artifacts in and out.
+ARTIFACT_CHUNK_BYTES = 1024 * 1024
+# Name the registry's, tenants' and accounts' choice sets in the OpenAPI schema, so that other
+# apps' fields of the same name ("status", "kind") never collide with them.
+SPECTACULAR_SETTINGS["ENUM_NAME_OVERRIDES"] = {
+    "ModelTaskEnum": "controlplane.registry.models.Task",
+    "ArtifactFormatEnum": "controlplane.registry.models.ArtifactFormat",
+    "VersionStatusEnum": "controlplane.registry.models.VersionStatus",
+    "EvalKindEnum": "controlplane.registry.models.EvalKind",
+    "PromptLoggingEnum": "controlplane.tenants.models.PromptLogging",
+    "ApiKeyScopeEnum": "controlplane.tenants.models.ApiKeyScope",
+    "RoleEnum": "controlplane.accounts.roles.Role",
+}
+
+# Gateway
+# Key grants and routing tables are cached in memory; pub/sub invalidates them at once and
+# these TTLs bound how stale a cache can be when a message is lost.
+GATEWAY_KEY_CACHE_TTL_S = float(os.environ.get("GATEWAY_KEY_CACHE_TTL_S", "30"))
+GATEWAY_ROUTING_REFRESH_S = float(os.environ.get("GATEWAY_ROUTING_REFRESH_S", "5"))
+GATEWAY_UPSTREAM_CONNECT_TIMEOUT_S = float(
+    os.environ.get("GATEWAY_UPSTREAM_CONNECT_TIMEOUT_S", "2")
+)
+GATEWAY_UPSTREAM_READ_TIMEOUT_S = float(os.environ.get("GATEWAY_UPSTREAM_READ_TIMEOUT_S", "300"))
+GATEWAY_MAX_BODY_BYTES = int(os.environ.get("GATEWAY_MAX_BODY_BYTES", str(4 * 1024 * 1024)))
+# Requests-stream entries that cannot be written to Redis wait in this bounded spool.
+GATEWAY_SPOOL_DIR = Path(os.environ.get("GATEWAY_SPOOL_DIR", DEMO_DIR / "gateway-spool"))
+GATEWAY_SPOOL_MAX_BYTES = int(os.environ.get("GATEWAY_SPOOL_MAX_BYTES", str(64 * 1024 * 1024)))
+GATEWAY_SPOOL_RETRY_S = float(os.environ.get("GATEWAY_SPOOL_RETRY_S", "2"))
+# Tokens reserved against tokens_per_minute for a request without max_tokens.
+GATEWAY_DEFAULT_COMPLETION_TOKENS = int(os.environ.get("GATEWAY_DEFAULT_COMPLETION_TOKENS", "256"))
+# Settled fleet energy rollups are attributed to tenants by tokens this often.
+CELERY_BEAT_SCHEDULE["gateway-attribute-energy"] = {
+    "task": "gateway.attribute_energy",
+    "schedule": 30.0,
+}
+
+# Fleet and telemetry
+# Agents heartbeat every FLEET_HEARTBEAT_INTERVAL_S; ingest marks one `lost` after
+# FLEET_LOST_AFTER_S without a heartbeat (three missed), keeps 10-second rollups for
+# FLEET_SAMPLE_RETENTION_S, and publishes live changes to FLEET_LIVE_GROUP.
+FLEET_HEARTBEAT_INTERVAL_S = float(os.environ.get("FLEET_HEARTBEAT_INTERVAL_S", "1.0"))
+FLEET_LOST_AFTER_S = float(
+    os.environ.get("FLEET_LOST_AFTER_S", str(3 * FLEET_HEARTBEAT_INTERVAL_S))
+)
+FLEET_SAMPLE_RETENTION_S = int(os.environ.get("FLEET_SAMPLE_RETENTION_S", str(7 * 24 * 3600)))
+FLEET_LIVE_GROUP = os.environ.get("FLEET_LIVE_GROUP", "live.fleet")
+FLEET_COMMAND_TTL_S = float(os.environ.get("FLEET_COMMAND_TTL_S", "300"))
+
+# Rollouts
+# Canary analysis runs every this many seconds (10 in the demo).
+ROLLOUTS_ANALYSIS_INTERVAL_S = int(os.environ.get("ROLLOUTS_ANALYSIS_INTERVAL_S", "10"))
+# The reconciler's periodic pass (it also runs on every change).
+ROLLOUTS_RECONCILE_INTERVAL_S = int(os.environ.get("ROLLOUTS_RECONCILE_INTERVAL_S", "5"))
+ROLLOUTS_RECONCILE_LOCK_S = 30
+# An agent is routable only if its last heartbeat is this recent.
+ROLLOUTS_AGENT_FRESH_S = float(os.environ.get("ROLLOUTS_AGENT_FRESH_S", "5"))
+# A load or drain command not finished after this long is sent again.
+ROLLOUTS_COMMAND_WAIT_S = float(os.environ.get("ROLLOUTS_COMMAND_WAIT_S", "300"))
+# An agent whose version nobody routes to is drained after this grace period.
+ROLLOUTS_DRAIN_GRACE_S = float(os.environ.get("ROLLOUTS_DRAIN_GRACE_S", "10"))
+ROLLOUTS_WEBHOOK_TIMEOUT_S = float(os.environ.get("ROLLOUTS_WEBHOOK_TIMEOUT_S", "5"))
+CELERY_BEAT_SCHEDULE["rollouts-analyze"] = {
+    "task": "rollouts.analyze_all",
+    "schedule": float(ROLLOUTS_ANALYSIS_INTERVAL_S),
+}
+CELERY_BEAT_SCHEDULE["rollouts-reconcile"] = {
+    "task": "rollouts.reconcile_all",
+    "schedule": float(ROLLOUTS_RECONCILE_INTERVAL_S),
 }

@@ -1,6 +1,11 @@
 from typing import Any
 
 from controlplane.audit.models import AuditEvent
+from controlplane.core.events import (
+    AUDIT_LIVE_GROUP,
+    publish_event_after_commit,
+    tenant_live_group,
+)
 
 SYSTEM_ACTOR = "system"
 
@@ -19,7 +24,7 @@ def audit_event_record(
 ) -> AuditEvent:
     """Append one audit event. Call it inside the transaction of the change it records."""
     is_user = actor is not None and getattr(actor, "is_authenticated", False)
-    return AuditEvent.objects.create(
+    event = AuditEvent.objects.create(
         actor=actor if is_user else None,
         actor_name=actor.get_username() if is_user else SYSTEM_ACTOR,
         action=action,
@@ -31,3 +36,8 @@ def audit_event_record(
         reason=reason,
         tenant_id=tenant_id,
     )
+    payload = {"id": event.pk, "action": action, "object_type": object_type}
+    publish_event_after_commit(AUDIT_LIVE_GROUP, "audit.event", payload)
+    if tenant_id is not None:
+        publish_event_after_commit(tenant_live_group(tenant_id), "audit.event", payload)
+    return event

@@ -7,16 +7,9 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
 from controlplane.accounts import access
+from controlplane.core.events import AUDIT_LIVE_GROUP, ROLLOUTS_LIVE_GROUP, tenant_live_group
 
 UNAUTHENTICATED_CLOSE_CODE = 4401
-
-ROLLOUTS_LIVE_GROUP = "live.rollouts"  # controlplane.rollouts.services.LIVE_GROUP
-AUDIT_LIVE_GROUP = "live.audit"
-
-
-def tenant_live_group(tenant_id: int) -> str:
-    """The group for one tenant's own events (usage, keys); only its members join it."""
-    return f"live.tenant.{tenant_id}"
 
 
 def live_groups_for_user(user: Any) -> list[str]:

@@ -4,6 +4,11 @@ Each stream has one handler. An entry is acknowledged only after its handler
 has written it (so a crash re-delivers it, and handlers are idempotent); a
 malformed entry is counted and acknowledged so that it never blocks the stream;
 entries left pending by a dead consumer are claimed after `claim_idle_ms`.
+
+`on_tick(is_caught_up)` runs every `tick_every_s` whether or not entries keep coming
+(periodic work such as lost-agent detection must not wait for an idle moment);
+`is_caught_up` says whether the last read drained every stream, so that work which
+judges freshness can hold off while a backlog is still being applied.
 """
 
 import logging
@@ -50,7 +55,11 @@ class StreamIngestor:
     claim_idle_ms: int = 30_000
     claim_every_s: float = 5.0
     on_idle: Callable[[], None] | None = None
+    on_tick: Callable[[bool], None] | None = None
+    tick_every_s: float = 0.5
+    is_caught_up: bool = field(default=False, init=False)
     _last_claim: float = field(default=0.0, init=False)
+    _last_tick: float = field(default=0.0, init=False)
     _own_pending_done: set[str] = field(default_factory=set, init=False)
 
     def ensure_groups(self) -> None:
@@ -126,12 +135,23 @@ class StreamIngestor:
             self.group, self.consumer, streams, count=self.batch_size, block=block
         )
         returned = {_text(raw_stream): entries for raw_stream, entries in response or []}
+        self.is_caught_up = all(
+            start == ">" and len(returned.get(stream) or []) < self.batch_size
+            for stream, start in streams.items()
+        )
         for stream, start in streams.items():
             entries = returned.get(stream) or []
             if start == "0" and not entries:
                 self._own_pending_done.add(stream)
             handled += self._process(stream, entries)
         return handled
+
+    def tick(self) -> None:
+        """Run `on_tick` if it is due."""
+        now = time.monotonic()
+        if self.on_tick is not None and now - self._last_tick >= self.tick_every_s:
+            self._last_tick = now
+            self.on_tick(self.is_caught_up)
 
     def run(self, should_stop: Callable[[], bool]) -> None:
         backoff = 0.5
@@ -144,6 +164,7 @@ class StreamIngestor:
                     self._own_pending_done.clear()
                 if self.run_once() == 0 and self.on_idle is not None:
                     self.on_idle()
+                self.tick()
                 backoff = 0.5
             except redis.ConnectionError as exc:
                 logger.warning("redis unavailable, retrying", extra={"error": str(exc)})

@@ -20,13 +20,10 @@ from django.conf import settings
 from django.utils import timezone
 
 from contracts.routing import (
-    ROUTING_CHANNEL,
-    ROUTING_INDEX_KEY,
     VersionRoute,
-    routing_key,
-    routing_table_build,
 )
 from controlplane.fleet.models import Agent, AgentCommand, AgentState, CommandKind, CommandStatus
+from controlplane.gateway.services import routing_table_publish
 from controlplane.registry.models import ModelVersion
 from controlplane.rollouts import services
 from controlplane.rollouts.models import Deployment, Rollout, RolloutState
@@ -71,25 +68,11 @@ def routing_publish(
     model: str,
     versions: list[VersionRoute],
 ) -> int:
-    """Write `routing:<deployment>`, index it and announce it; returns the generation.
-
-    The one place the reconciler writes the gateway's table. To be replaced by
-    `controlplane.gateway.services.routing_table_publish` once it exists.
-    """
-    generation = int(client.incr(f"rollouts:routing-generation:{deployment}"))
-    table = routing_table_build(
-        deployment=deployment,
-        model=model,
-        versions=versions,
-        generation=generation,
-        published_at=time.time(),
+    """Write `routing:<deployment>` through the gateway's publisher; returns the generation."""
+    table = routing_table_publish(
+        deployment=deployment, model=model, versions=versions, client=client
     )
-    pipe = client.pipeline(transaction=True)
-    pipe.set(routing_key(deployment), table.to_json())
-    pipe.sadd(ROUTING_INDEX_KEY, deployment)
-    pipe.publish(ROUTING_CHANNEL, deployment)
-    pipe.execute()
-    return generation
+    return table.generation
 
 
 def reconcile_deployment(

@@ -24,6 +24,7 @@ from django.utils import timezone
 from contracts.routing import DEPLOYMENT_PATTERN
 from controlplane.audit.services import audit_event_record
 from controlplane.core.errors import Conflict, DomainError, NotFound
+from controlplane.core.events import ROLLOUTS_LIVE_GROUP
 from controlplane.registry.models import EvalSuite, Evaluation, ModelVersion, VersionStatus
 from controlplane.rollouts import analysis
 from controlplane.rollouts.models import (
@@ -38,7 +39,7 @@ from controlplane.rollouts.models import (
 
 logger = logging.getLogger(__name__)
 
-LIVE_GROUP = "live.rollouts"
+LIVE_GROUP = ROLLOUTS_LIVE_GROUP
 
 DEFAULT_STAGES: tuple[dict[str, Any], ...] = (
     {"weight": 5, "min_duration_s": 60, "min_requests": 50, "tenants": []},
@@ -930,13 +931,12 @@ def _publish_after_commit(rollout: Rollout, event: str, extra: dict[str, Any]) -
 
 def _publish(event: str, payload: dict[str, Any]) -> None:
     """Best effort: the dashboard also polls, so a lost live event only delays a view."""
-    from controlplane.core.events import BROADCAST_GROUP, publish_event
+    from controlplane.core.events import publish_event
 
-    for group in (LIVE_GROUP, BROADCAST_GROUP):
-        try:
-            publish_event(group, event, payload)
-        except Exception:
-            logger.warning("live event not published", extra={"event": event}, exc_info=True)
+    try:
+        publish_event(LIVE_GROUP, event, payload)
+    except Exception:
+        logger.warning("live event not published", extra={"event": event}, exc_info=True)
 
 
 def _after_commit_reconcile(deployment_id: int) -> None:

@@ -1,15 +1,20 @@
+import logging
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import redis
 from django.db import transaction
 from django.utils import timezone
 
 from controlplane.accounts.tokens import secret_generate, secret_hash, secret_visible_prefix
 from controlplane.audit.services import audit_event_record
 from controlplane.core.errors import Conflict, DomainError
+from controlplane.gateway.services import gateway_cache_invalidate
 from controlplane.registry.models import Model
 from controlplane.tenants.models import ApiKey, ApiKeyScope, PromptLogging, Tenant
+
+logger = logging.getLogger(__name__)
 
 API_KEY_PREFIX = "sk-"
 
@@ -21,6 +26,21 @@ TENANT_FIELDS = (
     "retention_days",
     "is_active",
 )
+
+
+def _gateway_forget_tenant(tenant_id: int) -> None:
+    """After commit: gateways drop cached keys and limits of this tenant at once.
+
+    Without it a change still takes effect when the gateway's cache entry expires.
+    """
+
+    def announce() -> None:
+        try:
+            gateway_cache_invalidate(tenant_id=tenant_id)
+        except redis.RedisError:
+            logger.warning("gateway cache invalidation not sent", extra={"tenant": tenant_id})
+
+    transaction.on_commit(announce)
 
 
 def _tenant_snapshot(tenant: Tenant) -> dict[str, Any]:
@@ -100,6 +120,7 @@ def tenant_update(
             reason=reason,
             tenant_id=tenant.pk,
         )
+    _gateway_forget_tenant(tenant.pk)
     return tenant
 
 
@@ -170,6 +191,7 @@ def api_key_revoke(*, actor: Any, key: ApiKey, reason: str = "") -> ApiKey:
         reason=reason,
         tenant_id=key.tenant_id,
     )
+    _gateway_forget_tenant(key.tenant_id)
     return key
 
 

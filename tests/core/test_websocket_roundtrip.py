@@ -8,16 +8,19 @@ from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
 from channels_redis.core import RedisChannelLayer
 from django.conf import settings
-from django.contrib.auth import get_user_model
 from django.test import Client
 
+from controlplane.accounts.roles import Role
+from controlplane.accounts.services import user_create
 from controlplane.asgi import application
 from controlplane.core.consumers import UNAUTHENTICATED_CLOSE_CODE
-from controlplane.core.events import BROADCAST_GROUP, publish_event
+from controlplane.core.events import AUDIT_LIVE_GROUP, publish_event
 
 
 def _session_cookie_for_new_user() -> str:
-    user = get_user_model().objects.create_user("watcher", password="watcher-password-1")
+    user = user_create(
+        actor=None, username="watcher", password="watcher-password-1", role=Role.VIEWER
+    )
     client = Client()
     client.force_login(user)
     return client.cookies[settings.SESSION_COOKIE_NAME].value
@@ -40,15 +43,15 @@ def test_event_published_through_redis_reaches_the_browser_socket(redis_client) 
         assert connected
         # publish_event is what domain code calls (synchronously, after commit).
         await database_sync_to_async(publish_event)(
-            BROADCAST_GROUP, "agent.updated", {"agent": "agent-1", "state": "ready"}
+            AUDIT_LIVE_GROUP, "audit.event", {"id": 1, "action": "agent.drain"}
         )
         message = await communicator.receive_json_from(timeout=5)
         await communicator.disconnect()
         return message
 
     assert asyncio.run(scenario()) == {
-        "type": "agent.updated",
-        "payload": {"agent": "agent-1", "state": "ready"},
+        "type": "audit.event",
+        "payload": {"id": 1, "action": "agent.drain"},
     }
     # The layer that carried it is the Redis one, not an in-memory stand-in.
     assert isinstance(get_channel_layer(), RedisChannelLayer)
