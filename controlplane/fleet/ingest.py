@@ -1,10 +1,181 @@
-"""The handlers the ingest process runs, one per Redis stream.
+"""The handlers the ingest process runs, one per Redis stream, and its periodic fleet work.
 
 Domain apps add theirs here as their streams come to exist (heartbeats, requests).
+
+- `telemetry:heartbeats` -> HeartbeatHandler: agents' state and figures, 10-second rollups.
+- `agent:results` -> CommandResultHandler: the outcome of each command.
+- `telemetry:requests` -> controlplane.gateway.ingest.RequestsStreamHandler (usage, SLO
+  samples, the rollout fast path).
+- `FleetTicker` (the ingestor's on_tick): marks silent agents `lost`, publishes the live
+  figures at most once a second, prunes old rollups.
 """
 
-from controlplane.core.streams import StreamHandler
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from django.conf import settings
+from prometheus_client import Counter, Gauge
+
+from contracts.streams import (
+    HEARTBEATS_STREAM,
+    RESULTS_STREAM,
+    CommandResult,
+    ContractError,
+    parse_command_result,
+    parse_heartbeat,
+)
+from controlplane.core.streams import MalformedEntry, StreamHandler
+from controlplane.fleet import services
+from controlplane.fleet.services import ReceivedHeartbeat
+
+logger = logging.getLogger(__name__)
+
+UNKNOWN_AGENT_TOTAL = Counter(
+    "fleet_heartbeats_unknown_agent_total", "Heartbeats from agents that never registered"
+)
+LOST_TOTAL = Counter("fleet_agents_lost_total", "Agents marked lost by ingest")
+HEARTBEAT_LAG = Gauge(
+    "fleet_heartbeat_lag_seconds", "Age of the newest heartbeat in the last batch applied"
+)
+
+LIVE_FIGURES_EVERY_S = 1.0
+STATE_EVENTS_ONE_BY_ONE = 20
+LIVE_FIGURES_MAX_AGENTS = 500
+PRUNE_EVERY_S = 60.0
+CURRENT_LAG_S = 1.0  # a backlog younger than this still counts as watching the fleet
+
+
+def entry_time(entry_id: str) -> datetime:
+    """When Redis added the entry (the id's millisecond part)."""
+    milliseconds = int(entry_id.split("-", 1)[0])
+    return datetime.fromtimestamp(milliseconds / 1000, tz=UTC)
+
+
+@dataclass
+class LiveFleet:
+    """What ingest has seen since the last live update, shared by the handlers and the ticker."""
+
+    figures: dict[str, dict[str, Any]] = field(default_factory=dict)
+    lag_s: float = float("inf")
+
+
+class HeartbeatHandler:
+    def __init__(self, live: LiveFleet) -> None:
+        self.live = live
+
+    def parse(self, entry_id: str, fields: Mapping[str, str]) -> ReceivedHeartbeat:
+        try:
+            heartbeat = parse_heartbeat(fields)
+        except ContractError as exc:
+            raise MalformedEntry(str(exc)) from exc
+        return ReceivedHeartbeat(heartbeat=heartbeat, received_at=entry_time(entry_id))
+
+    def apply(self, items: Sequence[ReceivedHeartbeat]) -> None:
+        outcome = services.heartbeats_apply(received=items)
+        newest = max(item.received_at for item in items)
+        self.live.lag_s = max(0.0, time.time() - newest.timestamp())
+        HEARTBEAT_LAG.set(self.live.lag_s)
+        if outcome.unknown_agents:
+            UNKNOWN_AGENT_TOTAL.inc(len(items) - outcome.applied)
+            logger.warning(
+                "heartbeats from unregistered agents dropped: %s",
+                ", ".join(sorted(outcome.unknown_agents)[:10]),
+            )
+        changes = outcome.state_events
+        if len(changes) <= STATE_EVENTS_ONE_BY_ONE:
+            services.fleet_events_publish([("agent.state", event) for event in changes])
+        else:  # a fleet-wide change (ingest starting, an outage ending): one summary
+            services.fleet_event_publish(
+                "fleet.states",
+                {
+                    "agents": changes[:LIVE_FIGURES_MAX_AGENTS],
+                    "truncated": len(changes) > LIVE_FIGURES_MAX_AGENTS,
+                },
+            )
+        self.live.figures.update(outcome.figures)
+
+
+class CommandResultHandler:
+    def parse(self, entry_id: str, fields: Mapping[str, str]) -> CommandResult:
+        try:
+            return parse_command_result(fields)
+        except ContractError as exc:
+            raise MalformedEntry(str(exc)) from exc
+
+    def apply(self, items: Sequence[CommandResult]) -> None:
+        events = services.command_results_apply(results=items)
+        services.fleet_events_publish([("agent.command", event) for event in events])
+
+
+class FleetTicker:
+    """The ingestor's on_tick: lost agents, live figures, retention.
+
+    An agent is judged lost only while ingest has been watching the fleet (caught up, or
+    behind by under a second) for at least FLEET_LOST_AFTER_S: after a Redis outage, a
+    backlog or a restart of ingest itself, agents get that long to be heard again.
+    """
+
+    def __init__(self, live: LiveFleet) -> None:
+        self.live = live
+        self._watching_since: float | None = None
+        self._last_tick: float | None = None
+        self._last_figures = 0.0
+        self._last_prune = 0.0
+
+    def __call__(self, is_caught_up: bool) -> None:
+        now = time.monotonic()
+        lost_after = settings.FLEET_LOST_AFTER_S
+        is_current = is_caught_up or self.live.lag_s < CURRENT_LAG_S
+        has_gap = self._last_tick is not None and now - self._last_tick > lost_after / 2
+        self._last_tick = now
+        if not is_current or has_gap:
+            self._watching_since = None
+        if is_current and self._watching_since is None:
+            self._watching_since = now
+        if self._watching_since is not None and now - self._watching_since >= lost_after:
+            events = services.agents_mark_lost()
+            for event in events:
+                LOST_TOTAL.inc()
+                logger.warning("agent %s lost: %s", event["agent"], event["detail"])
+            services.fleet_events_publish([("agent.state", event) for event in events])
+        if self.live.figures and now - self._last_figures >= LIVE_FIGURES_EVERY_S:
+            self._last_figures = now
+            figures, self.live.figures = self.live.figures, {}
+            names = sorted(figures)[:LIVE_FIGURES_MAX_AGENTS]
+            services.fleet_event_publish(
+                "fleet.figures",
+                {
+                    "agents": {name: figures[name] for name in names},
+                    "truncated": len(figures) > len(names),
+                },
+            )
+        if now - self._last_prune >= PRUNE_EVERY_S:
+            self._last_prune = now
+            deleted = services.agent_samples_prune()
+            if deleted:
+                logger.info("pruned %d fleet rollups past retention", deleted)
+
+
+LIVE = LiveFleet()
 
 
 def stream_handlers() -> dict[str, StreamHandler]:
-    return {}
+    # The gateway's handler lives with the gateway; imported here, when ingest starts.
+    from contracts.routing import REQUESTS_STREAM
+    from controlplane.gateway.ingest import RequestsStreamHandler
+
+    return {
+        HEARTBEATS_STREAM: HeartbeatHandler(LIVE),
+        RESULTS_STREAM: CommandResultHandler(),
+        REQUESTS_STREAM: RequestsStreamHandler(),
+    }
+
+
+def ingest_ticker() -> FleetTicker:
+    return FleetTicker(LIVE)

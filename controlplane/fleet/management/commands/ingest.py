@@ -16,7 +16,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from controlplane.core.streams import StreamIngestor
-from controlplane.fleet.ingest import stream_handlers
+from controlplane.fleet.ingest import ingest_ticker, stream_handlers
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,8 @@ class Command(BaseCommand):
             handlers=handlers,
             batch_size=options["batch_size"],
             claim_idle_ms=options["claim_idle_ms"],
+            block_ms=500,  # the ticker (lost agents) runs at least this often
+            on_tick=ingest_ticker(),
         )
         logger.info(
             "ingest started",

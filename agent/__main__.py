@@ -1,0 +1,134 @@
+"""`python -m agent --name NAME --port PORT --redis URL --control-plane URL --token TOKEN`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from agent.config import ENERGY_SOURCE_CHOICES, AgentConfig, parse_engine_command
+
+
+class PlainFormatter(logging.Formatter):
+    """`time level logger message key=value...` (extras included)."""
+
+    STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        extras = {k: v for k, v in vars(record).items() if k not in self.STANDARD}
+        return line + "".join(f" {key}={value}" for key, value in extras.items())
+
+
+def _token(options: argparse.Namespace) -> str:
+    if options.token:
+        return str(options.token)
+    if options.token_file:
+        return Path(options.token_file).read_text().strip()
+    if options.credentials_file:
+        data: Any = json.loads(Path(options.credentials_file).read_text())
+        token = data.get("agent_token") or (data.get("agent") or {}).get("token")
+        if not token:
+            raise ValueError(f"{options.credentials_file} has no agent token")
+        return str(token)
+    return os.environ.get("AGENT_TOKEN", "")
+
+
+def _pinned_keys(values: list[str]) -> dict[str, str]:
+    keys = {}
+    for value in values:
+        key_id, separator, public_key = value.partition("=")
+        if not separator or not key_id or not public_key:
+            raise ValueError(f"--trusted-key must be KEY_ID=BASE64_PUBLIC_KEY, got {value!r}")
+        keys[key_id] = public_key
+    return keys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m agent", description=__doc__)
+    parser.add_argument("--name", required=True, help="unique agent name (a-z, 0-9, . _ -)")
+    parser.add_argument(
+        "--port", required=True, type=int, help="engine port; the next one is used too"
+    )
+    parser.add_argument("--redis", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    parser.add_argument(
+        "--control-plane", default=os.environ.get("CONTROL_PLANE_URL", "http://127.0.0.1:8000")
+    )
+    parser.add_argument("--token", help="access token of the agent service account")
+    parser.add_argument("--token-file", help="file holding the token (safer than --token)")
+    parser.add_argument("--credentials-file", help="the demo's credentials.json")
+    parser.add_argument("--state-dir", help="artifacts and engine logs (default .demo/agents/NAME)")
+    parser.add_argument("--advertise-host", default="127.0.0.1")
+    parser.add_argument("--bind-host", default="127.0.0.1")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    parser.add_argument("--engine-command", default=f"{sys.executable} -m engine serve")
+    parser.add_argument("--engine-ready-timeout", type=float, default=300.0)
+    parser.add_argument("--drain-timeout", type=float, default=60.0)
+    parser.add_argument("--heartbeat-interval", type=float, default=1.0)
+    parser.add_argument("--energy-source", choices=ENERGY_SOURCE_CHOICES, default="auto")
+    parser.add_argument("--gpu-index", type=int, default=0)
+    parser.add_argument("--rapl-root", default="/sys/class/powercap")
+    parser.add_argument("--watts-per-core", type=float, default=10.0)
+    parser.add_argument(
+        "--trusted-key",
+        action="append",
+        default=[],
+        help="KEY_ID=BASE64: only accept versions signed by these keys (repeatable)",
+    )
+    parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = build_parser().parse_args(argv)
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        PlainFormatter(f"%(asctime)s %(levelname)s agent[{options.name}] %(message)s")
+    )
+    logging.basicConfig(level=options.log_level.upper(), handlers=[handler])
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        config = AgentConfig(
+            name=options.name,
+            port=options.port,
+            redis_url=options.redis,
+            control_plane_url=options.control_plane,
+            token=_token(options),
+            state_dir=Path(options.state_dir or Path(".demo") / "agents" / options.name),
+            advertise_host=options.advertise_host,
+            bind_host=options.bind_host,
+            engine_command=parse_engine_command(options.engine_command),
+            engine_threads=options.threads,
+            engine_ready_timeout_s=options.engine_ready_timeout,
+            drain_timeout_s=options.drain_timeout,
+            heartbeat_interval_s=options.heartbeat_interval,
+            energy_source=options.energy_source,
+            gpu_index=options.gpu_index,
+            rapl_root=Path(options.rapl_root),
+            watts_per_core=options.watts_per_core,
+            pinned_keys=_pinned_keys(options.trusted_key),
+        )
+    except (ValueError, OSError) as exc:
+        print(f"agent: {exc}", file=sys.stderr)
+        return 2
+    from agent.runner import Agent
+
+    agent = Agent(config)
+
+    def request_stop(signum: int, frame: Any) -> None:
+        logging.getLogger("agent").info("stopping on signal %d", signum)
+        agent.stop()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    agent.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

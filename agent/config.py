@@ -1,0 +1,85 @@
+"""The agent's configuration, validated on construction."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from contracts.streams import HEARTBEAT_INTERVAL_S, ContractError, validate_agent_name
+
+ENERGY_SOURCE_CHOICES = ("auto", "nvml", "rapl", "estimate")
+
+
+def default_engine_command() -> tuple[str, ...]:
+    return (sys.executable, "-m", "engine", "serve")
+
+
+@dataclass(slots=True, frozen=True)
+class AgentConfig:
+    name: str
+    port: int  # the engine listens on `port` or `port + 1` (they alternate on each load)
+    redis_url: str
+    control_plane_url: str
+    token: str
+    state_dir: Path
+    advertise_host: str = "127.0.0.1"  # how others reach this agent's engine
+    bind_host: str = "127.0.0.1"
+    engine_command: tuple[str, ...] = field(default_factory=default_engine_command)
+    engine_threads: int = 1
+    engine_ready_timeout_s: float = 300.0
+    drain_timeout_s: float = 60.0
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
+    energy_source: str = "auto"
+    gpu_index: int = 0
+    rapl_root: Path = Path("/sys/class/powercap")
+    watts_per_core: float = 10.0
+    # key_id -> base64 public key; when given, a load must be signed by one of these.
+    pinned_keys: dict[str, str] = field(default_factory=dict)
+    http_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        try:
+            validate_agent_name(self.name)
+        except ContractError as exc:
+            raise ValueError(f"--name: {exc}") from exc
+        if not 1 <= self.port <= 65534:
+            raise ValueError(
+                f"--port must be within 1..65534 (port+1 is used too), got {self.port}"
+            )
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--redis must be a redis:// URL, got {self.redis_url!r}")
+        if not self.control_plane_url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"--control-plane must be an http(s) URL, got {self.control_plane_url!r}"
+            )
+        if not self.token:
+            raise ValueError("a token is required (--token, --token-file or AGENT_TOKEN)")
+        if not self.engine_command:
+            raise ValueError("--engine-command must not be empty")
+        if self.engine_threads < 1:
+            raise ValueError("--threads must be at least 1")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError("--heartbeat-interval must be positive")
+        if self.energy_source not in ENERGY_SOURCE_CHOICES:
+            raise ValueError(f"--energy-source must be one of {', '.join(ENERGY_SOURCE_CHOICES)}")
+        if self.watts_per_core <= 0:
+            raise ValueError("--watts-per-core must be positive")
+        if self.engine_ready_timeout_s <= 0 or self.drain_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+
+    @property
+    def artifact_dir(self) -> Path:
+        return self.state_dir / "artifacts"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    def endpoint_for(self, port: int) -> str:
+        return f"http://{self.advertise_host}:{port}"
+
+
+def parse_engine_command(text: str) -> tuple[str, ...]:
+    return tuple(shlex.split(text))

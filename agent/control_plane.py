@@ -1,0 +1,113 @@
+"""The control plane's HTTP API as the agent uses it: registration and artifact download."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+REGISTER_PATH = "/api/v1/fleet/agents/register/"
+ARTIFACT_PATH = "/api/v1/artifacts/{digest}"
+CHUNK_BYTES = 1024 * 1024
+
+
+class ControlPlaneError(RuntimeError):
+    pass
+
+
+class ArtifactError(RuntimeError):
+    """The artifact could not be fetched, or its bytes are not the ones that were signed."""
+
+
+class ControlPlaneClient:
+    def __init__(self, *, base_url: str, token: str, timeout_s: float) -> None:
+        self._base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._timeout = httpx.Timeout(timeout_s)
+
+    def _client(self) -> httpx.Client:
+        return httpx.Client(base_url=self._base_url, headers=self._headers, timeout=self._timeout)
+
+    def register(self, registration: dict[str, Any]) -> dict[str, Any]:
+        try:
+            with self._client() as client:
+                response = client.post(REGISTER_PATH, json=registration)
+        except httpx.HTTPError as exc:
+            raise ControlPlaneError(f"control plane unreachable: {exc}") from exc
+        if response.status_code not in (200, 201):
+            raise ControlPlaneError(
+                f"registration refused: HTTP {response.status_code} {response.text[:300]}"
+            )
+        body = response.json()
+        if not isinstance(body, dict):
+            raise ControlPlaneError("registration answer is not a JSON object")
+        return body
+
+    def fetch_artifact(self, *, digest: str, suffix: str, cache_dir: Path) -> Path:
+        """The verified local copy of an artifact: downloaded (resuming a partial download
+        with Range), its SHA-256 checked against `digest`. Raises ArtifactError otherwise."""
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        final = cache_dir / f"{digest}{suffix}"
+        if final.exists():
+            if file_sha256(final) == digest:
+                return final
+            logger.warning("cached artifact does not match its digest; fetching again")
+            final.unlink()
+        partial = cache_dir / f"{digest}{suffix}.part"
+        hasher = hashlib.sha256()
+        offset = 0
+        if partial.exists():
+            offset = _hash_into(partial, hasher)
+        headers = {"Range": f"bytes={offset}-"} if offset else {}
+        try:
+            with (
+                self._client() as client,
+                client.stream("GET", ARTIFACT_PATH.format(digest=digest), headers=headers) as r,
+            ):
+                if r.status_code == 200 and offset:  # the server ignored Range: start over
+                    hasher, offset = hashlib.sha256(), 0
+                    partial.unlink(missing_ok=True)
+                elif r.status_code not in (200, 206):
+                    raise ArtifactError(f"artifact download refused: HTTP {r.status_code}")
+                announced = r.headers.get("X-Artifact-Digest")
+                if announced and announced != f"sha256:{digest}":
+                    raise ArtifactError(
+                        f"artifact server announced {announced}, expected sha256:{digest}"
+                    )
+                with open(partial, "ab") as out:
+                    for chunk in r.iter_bytes(CHUNK_BYTES):
+                        out.write(chunk)
+                        hasher.update(chunk)
+        except httpx.HTTPError as exc:
+            # The partial file stays: the next attempt resumes where this one stopped.
+            raise ArtifactError(f"artifact download failed: {exc}") from exc
+        received = hasher.hexdigest()
+        if received != digest:
+            partial.unlink(missing_ok=True)
+            raise ArtifactError(
+                f"artifact digest mismatch: expected sha256:{digest}, received sha256:{received}"
+            )
+        os.chmod(partial, 0o444)
+        partial.replace(final)
+        return final
+
+
+def _hash_into(path: Path, hasher: Any) -> int:
+    size = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK_BYTES):
+            hasher.update(chunk)
+            size += len(chunk)
+    return size
+
+
+def file_sha256(path: Path) -> str:
+    hasher = hashlib.sha256()
+    _hash_into(path, hasher)
+    return hasher.hexdigest()

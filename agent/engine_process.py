@@ -1,0 +1,219 @@
+"""One serving engine subprocess: start it, watch it warm, read its stats, drain or stop it."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+# serving_config key (signed, from the registry) -> engine flag
+SERVING_CONFIG_FLAGS = {
+    "dtype": "--dtype",
+    "max_model_len": "--max-model-len",
+    "kv_block_size": "--block-size",
+    "block_size": "--block-size",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+}
+DTYPES = {"float32", "bfloat16", "int8"}
+PR_SET_PDEATHSIG = 1
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+def serving_config_arguments(serving_config: Mapping[str, Any]) -> list[str]:
+    """Engine flags for a signed serving configuration; unknown keys are refused."""
+    unknown = sorted(set(serving_config) - set(SERVING_CONFIG_FLAGS))
+    if unknown:
+        raise EngineStartError(f"serving_config has keys this agent cannot apply: {unknown}")
+    arguments: list[str] = []
+    for key, value in sorted(serving_config.items()):
+        if key == "dtype":
+            if value not in DTYPES:
+                raise EngineStartError(f"serving_config.dtype {value!r} is not one of {DTYPES}")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise EngineStartError(f"serving_config.{key} must be a positive integer")
+        arguments += [SERVING_CONFIG_FLAGS[key], str(value)]
+    return arguments
+
+
+def _die_with_parent() -> None:
+    """Runs in the child: SIGTERM it when the agent thread that started it dies (even by -9)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class EngineSpec:
+    model_path: Path
+    serving_config: dict[str, Any]
+    served_model_name: str
+    host: str
+    port: int
+    threads: int
+    fault_latency_ms: float = 0.0
+    fault_error_rate: float = 0.0
+
+    def arguments(self) -> list[str]:
+        return [
+            "--model",
+            str(self.model_path),
+            *serving_config_arguments(self.serving_config),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            self.served_model_name,
+            "--threads",
+            str(self.threads),
+            "--fault-latency-ms",
+            repr(float(self.fault_latency_ms)),
+            "--fault-error-rate",
+            repr(float(self.fault_error_rate)),
+        ]
+
+
+class EngineProcess:
+    def __init__(
+        self, *, command: tuple[str, ...], spec: EngineSpec, log_path: Path, endpoint: str
+    ) -> None:
+        self.spec = spec
+        self.command = [*command, *spec.arguments()]
+        self.log_path = log_path
+        self.endpoint = endpoint
+        self.is_stopping = False
+        self._process: subprocess.Popen[bytes] | None = None
+        self._base_url = f"http://{spec.host}:{spec.port}"
+        self._client = httpx.Client(base_url=self._base_url, timeout=2.0)
+        self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    @property
+    def port(self) -> int:
+        return self.spec.port
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._process = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,  # only calls prctl
+            )
+        logger.info("engine started", extra={"pid": self.pid, "port": self.port})
+
+    def exit_code(self) -> int | None:
+        return None if self._process is None else self._process.poll()
+
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def log_tail(self, characters: int = 600) -> str:
+        try:
+            text = self.log_path.read_bytes()[-characters:].decode(errors="replace")
+        except OSError:
+            return ""
+        return text.strip()
+
+    def _get(self, path: str) -> httpx.Response:
+        with self._lock:
+            return self._client.get(path)
+
+    def _post(self, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+        with self._lock:
+            return self._client.post(path, json=body)
+
+    def health(self) -> str | None:
+        try:
+            response = self._get("/health")
+            return str(response.json().get("status"))
+        except (httpx.HTTPError, RuntimeError, ValueError, AttributeError):
+            return None
+
+    def wait_ready(self, timeout_s: float, should_abort: Callable[[], bool]) -> None:
+        """Block until /health says ready; raise EngineStartError if it exits or times out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if should_abort():
+                raise EngineStartError("the agent is shutting down")
+            code = self.exit_code()
+            if code is not None:
+                raise EngineStartError(f"engine exited with code {code}: {self.log_tail()}")
+            if self.health() == "ready":
+                return
+            time.sleep(0.2)
+        raise EngineStartError(f"engine not ready within {timeout_s:.0f}s: {self.log_tail()}")
+
+    def stats(self) -> dict[str, Any] | None:
+        if not self.is_running():
+            return None
+        try:
+            response = self._get("/admin/stats")
+            if response.status_code != 200:
+                return None
+            data = response.json()
+        except (httpx.HTTPError, RuntimeError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def set_faults(self, *, latency_ms_per_token: float, error_rate: float) -> None:
+        response = self._post(
+            "/admin/faults",
+            {"latency_ms_per_token": latency_ms_per_token, "error_rate": error_rate},
+        )
+        if response.status_code != 200:
+            raise RuntimeError(f"engine refused faults: HTTP {response.status_code}")
+        self.spec.fault_latency_ms = latency_ms_per_token
+        self.spec.fault_error_rate = error_rate
+
+    def drain(self, timeout_s: float) -> bool:
+        """Stop taking requests, finish in-flight ones, exit. True when it exited by itself."""
+        self.is_stopping = True
+        if not self.is_running():
+            return True
+        try:
+            self._post("/admin/drain")
+        except httpx.HTTPError as exc:
+            logger.warning("drain request failed", extra={"error": str(exc), "port": self.port})
+        assert self._process is not None
+        try:
+            self._process.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            self.stop()
+            return False
+        finally:
+            self._client.close()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.is_stopping = True
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait(timeout=5)
+        self._client.close()

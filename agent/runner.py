@@ -1,0 +1,578 @@
+"""The agent: one engine for one accelerator, steered through Redis and the control plane.
+
+Three threads share the state below under one lock, and none holds it while it waits:
+
+- heartbeat: every interval, reads the engines' stats and the energy meter and adds a
+  heartbeat to `telemetry:heartbeats`. While Redis is away the heartbeat is dropped
+  (the totals it carries make the gap harmless), never buffered.
+- registration: registers over HTTP at start and again after every Redis outage.
+- commands: reads `agent:<name>:commands` through a consumer group and runs one
+  command at a time; each gets an `accepted` and a final result on `agent:results`,
+  recorded under `agent:<name>:completed:<command_id>` so that a redelivered command is
+  answered from the record instead of running twice. This thread starts the engines
+  (they die with it: PR_SET_PDEATHSIG) and stops them at shutdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+import redis
+
+from agent.config import AgentConfig
+from agent.control_plane import ArtifactError, ControlPlaneClient, ControlPlaneError
+from agent.energy import EnergyMeter, choose_energy_meter
+from agent.engine_process import EngineProcess, EngineSpec, EngineStartError
+from agent.inventory import accelerator_inventory
+from agent.redis_link import RedisLink, RedisUnavailable
+from agent.telemetry import TelemetryAccumulator
+from contracts.signing import SignatureError, verify_signature
+from contracts.streams import (
+    AGENT_COMMANDS_GROUP,
+    HEARTBEATS_MAXLEN,
+    HEARTBEATS_STREAM,
+    RESULTS_MAXLEN,
+    RESULTS_STREAM,
+    AgentState,
+    Command,
+    CommandKind,
+    CommandResult,
+    CommandStatus,
+    ContractError,
+    FaultsPayload,
+    Heartbeat,
+    LoadPayload,
+    command_record_key,
+    commands_stream,
+    parse_command,
+    parse_faults_payload,
+    parse_load_payload,
+)
+
+logger = logging.getLogger("agent")
+
+COMPLETED_RECORD_TTL_S = 7 * 24 * 3600
+ARTIFACT_SUFFIXES = {"gguf": ".gguf", "safetensors": ".safetensors"}
+
+
+class CommandFailed(Exception):
+    """A command was attempted and failed; the message is the reason reported."""
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.stop_event = threading.Event()
+        self._lock = threading.Lock()
+        self.state = AgentState.IDLE
+        self.detail = ""
+        self.current: EngineProcess | None = None
+        self.current_load: LoadPayload | None = None
+        self.retiring: list[EngineProcess] = []  # old engines still finishing requests
+        self.faults = FaultsPayload(latency_ms_per_token=0.0, error_rate=0.0)
+        self.host = socket.gethostname()
+        self.inventory = accelerator_inventory(config.gpu_index)
+        self.telemetry = TelemetryAccumulator()
+        self.energy: EnergyMeter = choose_energy_meter(
+            preference=config.energy_source,
+            gpu_index=config.gpu_index,
+            rapl_root=config.rapl_root,
+            watts_per_core=config.watts_per_core,
+            root_pids=self._engine_pids,
+        )
+        self.link = RedisLink(config.redis_url, on_reconnect=self._on_redis_reconnect)
+        self.control_plane = ControlPlaneClient(
+            base_url=config.control_plane_url,
+            token=config.token,
+            timeout_s=config.http_timeout_s,
+        )
+        self._needs_registration = threading.Event()
+        self._needs_registration.set()
+        self._is_group_ready = False
+        self._seq = 0
+        self._last_energy = (time.monotonic(), self.energy.joules())
+        self.commands_stream = commands_stream(config.name)
+
+    # Lifecycle.
+
+    def run(self) -> None:
+        logger.info(
+            "agent %s starting: engine ports %d/%d, energy source %s, accelerator %s",
+            self.config.name,
+            self.config.port,
+            self.config.port + 1,
+            self.energy.source.value,
+            self.inventory.get("accelerator"),
+        )
+        threads = [
+            threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True),
+            threading.Thread(target=self._registration_loop, name="registration", daemon=True),
+            threading.Thread(target=self._command_loop, name="commands", daemon=True),
+        ]
+        for thread in threads:
+            thread.start()
+        self.stop_event.wait()
+        for thread in threads:
+            thread.join(timeout=self.config.drain_timeout_s + 15)
+        self.link.close()
+        logger.info("agent %s stopped", self.config.name)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def _on_redis_reconnect(self) -> None:
+        self._needs_registration.set()
+        self._is_group_ready = False
+
+    def _engine_pids(self) -> list[int]:
+        with self._lock:
+            engines = [self.current, *self.retiring]
+        return [engine.pid for engine in engines if engine is not None and engine.pid]
+
+    # Registration.
+
+    def registration(self) -> dict[str, Any]:
+        with self._lock:
+            endpoint = self.current.endpoint if self.current else ""
+            version_id = self.current_load.version_id if self.current_load else None
+            state = self.state
+        return {
+            "name": self.config.name,
+            "host": self.host,
+            "endpoint": endpoint,
+            "ports": [self.config.port, self.config.port + 1],
+            "inventory": self.inventory,
+            "energy_source": self.energy.source.value,
+            "state": state.value,
+            "loaded_version_id": version_id,
+            "heartbeat_interval_s": self.config.heartbeat_interval_s,
+        }
+
+    def _registration_loop(self) -> None:
+        backoff = 1.0
+        while not self.stop_event.is_set():
+            if not self._needs_registration.wait(timeout=0.5):
+                continue
+            try:
+                answer = self.control_plane.register(self.registration())
+            except ControlPlaneError as exc:
+                logger.warning("registration failed (retrying in %.0fs): %s", backoff, exc)
+                self.stop_event.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
+                continue
+            self._needs_registration.clear()
+            backoff = 1.0
+            logger.info("registered as %s (state %s)", self.config.name, answer.get("state"))
+
+    # Heartbeats.
+
+    def _heartbeat_loop(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        next_at = time.monotonic()
+        while not self.stop_event.is_set():
+            self._check_engines()
+            heartbeat = self.heartbeat()
+            fields = heartbeat.to_fields()
+            # Dropped, not buffered, while Redis is away: the next one carries the totals.
+            with contextlib.suppress(RedisUnavailable):
+                self.link.call(
+                    lambda client, fields=fields: client.xadd(  # type: ignore[misc]
+                        HEARTBEATS_STREAM,
+                        fields,
+                        maxlen=HEARTBEATS_MAXLEN,
+                        approximate=True,
+                    )
+                )
+            next_at += interval
+            now = time.monotonic()
+            if next_at < now:  # fell behind (a slow stats call): skip, do not burst
+                next_at = now + interval
+            self.stop_event.wait(next_at - now)
+
+    def _check_engines(self) -> None:
+        with self._lock:
+            self.retiring = [engine for engine in self.retiring if engine.is_running()]
+            engine = self.current
+            if engine is None or engine.is_stopping or engine.is_running():
+                return
+            code = engine.exit_code()
+            self.current = None
+            self.current_load = None
+            self.state = AgentState.FAILED
+            self.detail = f"engine exited unexpectedly with code {code}: {engine.log_tail(300)}"
+        logger.error("%s", self.detail)
+
+    def heartbeat(self) -> Heartbeat:
+        with self._lock:
+            current, retiring = self.current, list(self.retiring)
+            state, detail, load, faults = self.state, self.detail, self.current_load, self.faults
+        engines = [engine for engine in [current, *retiring] if engine is not None]
+        stats = {str(engine.pid): engine.stats() for engine in engines}
+        figures = self.telemetry.observe(stats)
+        now = time.monotonic()
+        joules = self.energy.joules()
+        last_time, last_joules = self._last_energy
+        self._last_energy = (now, joules)
+        interval = max(now - last_time, 1e-6)
+        energy = max(0.0, joules - last_joules)
+        current_stats = stats.get(str(current.pid)) if current else None
+        self._seq += 1
+        return Heartbeat(
+            agent=self.config.name,
+            seq=self._seq,
+            sent_at=time.time(),
+            host=self.host,
+            endpoint=current.endpoint if current else "",
+            state=state,
+            version_id=load.version_id if load else None,
+            version_digest=load.digest if load else "",
+            detail=detail[:1000],
+            running=sum(_int_stat(s, "running") for s in stats.values()),
+            waiting=sum(_int_stat(s, "waiting") for s in stats.values()),
+            kv_cache_usage=min(1.0, max(0.0, _float_stat(current_stats, "kv_cache_usage"))),
+            interval_s=interval,
+            tokens_per_second=figures.generated_tokens / interval,
+            prompt_tokens=figures.prompt_tokens,
+            generated_tokens=figures.generated_tokens,
+            requests_ok=figures.requests_ok,
+            requests_failed=figures.requests_failed,
+            requests_aborted=figures.requests_aborted,
+            ttft_p50_s=figures.ttft_p50_s,
+            ttft_p95_s=figures.ttft_p95_s,
+            itl_mean_s=figures.itl_mean_s,
+            itl_p95_s=figures.itl_p95_s,
+            prompt_tokens_total=self.telemetry.prompt_tokens_total,
+            generated_tokens_total=self.telemetry.generated_tokens_total,
+            requests_ok_total=self.telemetry.requests_ok_total,
+            requests_failed_total=self.telemetry.requests_failed_total,
+            power_watts=energy / interval,
+            energy_joules=joules,
+            energy_source=self.energy.source,
+            joules_per_token=energy / figures.generated_tokens
+            if figures.generated_tokens
+            else None,
+            fault_latency_ms=faults.latency_ms_per_token,
+            fault_error_rate=faults.error_rate,
+        )
+
+    # Commands.
+
+    def _command_loop(self) -> None:
+        is_pending_first = True
+        try:
+            while not self.stop_event.is_set():
+                try:
+                    if not self._is_group_ready:
+                        self.link.call(self._ensure_group)
+                        self._is_group_ready = True
+                        is_pending_first = True
+                    start = "0" if is_pending_first else ">"
+                    response = self.link.call(
+                        lambda client, start=start: client.xreadgroup(  # type: ignore[misc]
+                            AGENT_COMMANDS_GROUP,
+                            self.config.name,
+                            {self.commands_stream: start},
+                            count=1,
+                            block=None if start == "0" else 1000,
+                        )
+                    )
+                    entries = response[0][1] if response else []
+                    if start == "0" and not entries:
+                        is_pending_first = False
+                    for entry_id, fields in entries:
+                        self._handle_entry(entry_id, fields)
+                except RedisUnavailable:
+                    is_pending_first = True
+                    self.stop_event.wait(0.5)
+                except redis.ResponseError as exc:
+                    if "NOGROUP" not in str(exc):
+                        logger.exception("unexpected Redis error reading commands")
+                        self.stop_event.wait(1.0)
+                    self._is_group_ready = False
+        finally:
+            self._shutdown_engines()
+
+    def _ensure_group(self, client: redis.Redis) -> None:
+        try:
+            client.xgroup_create(self.commands_stream, AGENT_COMMANDS_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def _handle_entry(self, entry_id: str, fields: dict[str, str] | None) -> None:
+        if not fields:  # trimmed away while pending
+            self.link.call(lambda c: c.xack(self.commands_stream, AGENT_COMMANDS_GROUP, entry_id))
+            return
+        raw_id = fields.get("command_id", "")
+        try:
+            command = parse_command(fields)
+        except ContractError as exc:
+            logger.warning("rejecting malformed command %s: %s", entry_id, exc)
+            if len(raw_id) == 32:
+                result = self._result(raw_id, fields.get("kind", "load"), CommandStatus.REJECTED)
+                self._finish(entry_id, _replace(result, detail=f"malformed command: {exc}"))
+            else:
+                self.link.call(
+                    lambda c: c.xack(self.commands_stream, AGENT_COMMANDS_GROUP, entry_id)
+                )
+            return
+        record = self.link.call(
+            lambda c: c.get(command_record_key(self.config.name, command.command_id))
+        )
+        if record:
+            logger.info("command %s seen before: answering from the record", command.command_id)
+            replay = CommandResult(**{**json.loads(record), "is_replay": True})
+            replay = _replace(replay, status=CommandStatus(replay.status))
+            self._finish(entry_id, replay, is_recorded=False)
+            return
+        if command.is_expired():
+            result = self._result(command.command_id, command.kind, CommandStatus.REJECTED)
+            age = time.time() - command.issued_at
+            self._finish(entry_id, _replace(result, detail=f"expired: issued {age:.0f}s ago"))
+            return
+        self._publish(self._result(command.command_id, command.kind, CommandStatus.ACCEPTED))
+        logger.info("running command %s: %s", command.command_id, command.kind.value)
+        try:
+            detail = self._execute(command)
+            status = CommandStatus.SUCCEEDED
+        except CommandFailed as exc:
+            detail, status = str(exc), CommandStatus.FAILED
+        except Exception as exc:
+            logger.exception("command %s failed unexpectedly", command.command_id)
+            detail, status = f"{type(exc).__name__}: {exc}", CommandStatus.FAILED
+        logger.info("command %s %s: %s", command.command_id, status.value, detail)
+        self._finish(
+            entry_id,
+            _replace(self._result(command.command_id, command.kind, status), detail=detail),
+        )
+
+    def _result(self, command_id: str, kind: str, status: CommandStatus) -> CommandResult:
+        with self._lock:
+            endpoint = self.current.endpoint if self.current else ""
+            version_id = self.current_load.version_id if self.current_load else None
+        return CommandResult(
+            command_id=command_id,
+            agent=self.config.name,
+            kind=str(kind),
+            status=status,
+            detail="",
+            finished_at=time.time(),
+            endpoint=endpoint,
+            version_id=version_id,
+        )
+
+    def _publish(self, result: CommandResult) -> None:
+        try:
+            self.link.call(
+                lambda c: c.xadd(
+                    RESULTS_STREAM,
+                    result.to_fields(),  # type: ignore[arg-type]
+                    maxlen=RESULTS_MAXLEN,
+                    approximate=True,
+                )
+            )
+        except RedisUnavailable:
+            logger.warning("could not announce %s %s", result.command_id, result.status.value)
+
+    def _finish(self, entry_id: str, result: CommandResult, *, is_recorded: bool = True) -> None:
+        """Record the outcome, publish it and acknowledge the entry, in one transaction.
+
+        Retried until Redis takes it: the entry stays pending until then, and the record
+        makes a redelivery harmless.
+        """
+        record = json.dumps({**asdict(result), "status": result.status.value, "is_replay": False})
+
+        def transaction(client: redis.Redis) -> None:
+            pipe = client.pipeline(transaction=True)
+            if is_recorded:
+                pipe.set(
+                    command_record_key(self.config.name, result.command_id),
+                    record,
+                    ex=COMPLETED_RECORD_TTL_S,
+                )
+            pipe.xadd(
+                RESULTS_STREAM,
+                result.to_fields(),  # type: ignore[arg-type]
+                maxlen=RESULTS_MAXLEN,
+                approximate=True,
+            )
+            pipe.xack(self.commands_stream, AGENT_COMMANDS_GROUP, entry_id)
+            pipe.execute()
+
+        while True:
+            try:
+                self.link.call(transaction)
+                return
+            except RedisUnavailable:
+                if self.stop_event.wait(0.5):
+                    return
+
+    def _execute(self, command: Command) -> str:
+        if command.kind is CommandKind.LOAD:
+            return self.load(parse_load_payload(command.payload))
+        if command.kind is CommandKind.DRAIN:
+            return self.drain()
+        if command.kind is CommandKind.UNLOAD:
+            return self.unload()
+        return self.set_faults(parse_faults_payload(command.payload))
+
+    # What the commands do.
+
+    def load(self, load: LoadPayload) -> str:
+        with self._lock:
+            current, previous_load = self.current, self.current_load
+            if (
+                current is not None
+                and current.is_running()
+                and previous_load is not None
+                and previous_load.digest == load.digest
+                and previous_load.serving_config == load.serving_config
+            ):
+                return f"already serving version {load.version_id} at {current.endpoint}"
+            self.state, self.detail = AgentState.LOADING, ""
+        try:
+            engine = self._prepare_engine(load)
+        except CommandFailed as exc:
+            with self._lock:
+                is_serving = self.current is not None and self.current.is_running()
+                self.state = AgentState.READY if is_serving else AgentState.FAILED
+                self.detail = f"load of version {load.version_id} failed: {exc}"
+            raise
+        with self._lock:
+            old, self.current, self.current_load = self.current, engine, load
+            self.state, self.detail = AgentState.READY, ""
+            if old is not None:
+                self.retiring.append(old)
+        self.telemetry.begin_engine(str(engine.pid), engine.stats(), time.time())
+        if old is not None:
+            old.drain(self.config.drain_timeout_s)
+        return f"serving version {load.version_id} at {engine.endpoint}"
+
+    def _prepare_engine(self, load: LoadPayload) -> EngineProcess:
+        """Verify the signature and the artifact, start the engine and wait until it is warm."""
+        pinned = self.config.pinned_keys
+        if pinned and pinned.get(load.key_id) != load.public_key:
+            raise CommandFailed(f"signing key {load.key_id!r} is not pinned on this agent")
+        try:
+            verify_signature(
+                public_key_b64=load.public_key,
+                signature_b64=load.signature,
+                digest=load.digest,
+                serving_config=load.serving_config,
+            )
+        except SignatureError as exc:
+            raise CommandFailed(f"signature refused: {exc}") from exc
+        try:
+            path = self.control_plane.fetch_artifact(
+                digest=load.digest,
+                suffix=ARTIFACT_SUFFIXES.get(load.format, ""),
+                cache_dir=self.config.artifact_dir,
+            )
+        except ArtifactError as exc:
+            raise CommandFailed(str(exc)) from exc
+        with self._lock:
+            in_use = {engine.port for engine in [self.current, *self.retiring] if engine}
+            faults = self.faults
+        ports = [self.config.port, self.config.port + 1]
+        free = [port for port in ports if port not in in_use]
+        if not free:
+            raise CommandFailed("both engine ports are busy (a previous engine is still draining)")
+        port = free[0]
+        spec = EngineSpec(
+            model_path=path,
+            serving_config=dict(load.serving_config),
+            served_model_name=load.served_model_name,
+            host=self.config.bind_host,
+            port=port,
+            threads=self.config.engine_threads,
+            fault_latency_ms=faults.latency_ms_per_token,
+            fault_error_rate=faults.error_rate,
+        )
+        try:
+            engine = EngineProcess(
+                command=self.config.engine_command,
+                spec=spec,
+                log_path=self.config.log_dir / f"engine-{port}.log",
+                endpoint=self.config.endpoint_for(port),
+            )
+        except EngineStartError as exc:
+            raise CommandFailed(str(exc)) from exc
+        with self._lock:
+            self.state = AgentState.WARMING
+        engine.start()
+        try:
+            engine.wait_ready(self.config.engine_ready_timeout_s, self.stop_event.is_set)
+        except EngineStartError as exc:
+            engine.stop()
+            raise CommandFailed(str(exc)) from exc
+        return engine
+
+    def drain(self) -> str:
+        with self._lock:
+            engine = self.current
+            if engine is None:
+                return "nothing to drain"
+            self.state, self.detail = AgentState.DRAINING, ""
+        has_exited = engine.drain(self.config.drain_timeout_s)
+        with self._lock:
+            if self.current is engine:
+                self.current, self.current_load = None, None
+            self.state = AgentState.IDLE
+        if not has_exited:
+            timeout = self.config.drain_timeout_s
+            return f"drained; requests still in flight after {timeout:.0f}s were stopped"
+        return "drained"
+
+    def unload(self) -> str:
+        with self._lock:
+            engine, self.current, self.current_load = self.current, None, None
+            self.state, self.detail = AgentState.IDLE, ""
+        if engine is None:
+            return "nothing loaded"
+        engine.stop()
+        return "unloaded"
+
+    def set_faults(self, faults: FaultsPayload) -> str:
+        with self._lock:
+            self.faults = faults
+            engine = self.current
+        if engine is not None:
+            try:
+                engine.set_faults(
+                    latency_ms_per_token=faults.latency_ms_per_token,
+                    error_rate=faults.error_rate,
+                )
+            except Exception as exc:
+                raise CommandFailed(f"engine refused the faults: {exc}") from exc
+        return (
+            f"faults set: {faults.latency_ms_per_token:g} ms per token, "
+            f"error rate {faults.error_rate:g}"
+        )
+
+    def _shutdown_engines(self) -> None:
+        with self._lock:
+            engines = [engine for engine in [self.current, *self.retiring] if engine]
+            self.current, self.current_load, self.retiring = None, None, []
+        for engine in engines:
+            engine.drain(min(self.config.drain_timeout_s, 20.0))
+
+
+def _replace(result: CommandResult, **changes: Any) -> CommandResult:
+    return CommandResult(**{**asdict(result), **changes})
+
+
+def _int_stat(stats: dict[str, Any] | None, name: str) -> int:
+    value = (stats or {}).get(name, 0)
+    return int(value) if isinstance(value, int | float) and value >= 0 else 0
+
+
+def _float_stat(stats: dict[str, Any] | None, name: str) -> float:
+    value = (stats or {}).get(name, 0.0)
+    return float(value) if isinstance(value, int | float) else 0.0

@@ -1,0 +1,531 @@
+"""The Redis stream contracts between agents and the control plane.
+
+Streams (all trimmed with approximate MAXLEN, so none grows without bound):
+
+- `telemetry:heartbeats`: one entry per agent per second (`Heartbeat`). Read by
+  `manage.py ingest` through the consumer group `ingest`.
+- `agent:<name>:commands`: commands to one agent (`Command`). Written by the control
+  plane's fleet services; read by that agent through the consumer group `agent`.
+- `agent:results`: the outcome of each command (`CommandResult`), first `accepted`,
+  then one final status. Read by ingest, which updates the command's row.
+
+Every entry is a flat map of strings (Redis stream fields). A heartbeat keeps its
+identity and state in fields of their own and its numbers in one JSON object, `figures`
+(reading a stream costs per field, and ingest reads thousands of entries a second).
+`Heartbeat.to_fields` writes one; `parse_heartbeat` reads one and raises `ContractError`
+with a message that names the field (`figures.kv_cache_usage: must be <= 1.0, got 1.5`).
+Both sides use these functions, so a field changes in one place.
+
+Counters come in two kinds. Interval figures (`generated_tokens`, `requests_failed`,
+the latency summaries) cover the last heartbeat interval, for live display. Totals
+(`generated_tokens_total`, `energy_joules`, ...) are cumulative over the agent
+process's life, so rollups can be computed with min/max, which stays correct when an
+entry is delivered twice or two ingest processes apply a batch each in any order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
+from typing import Any
+
+SCHEMA_VERSION = "1"
+
+HEARTBEATS_STREAM = "telemetry:heartbeats"
+RESULTS_STREAM = "agent:results"
+INGEST_GROUP = "ingest"
+AGENT_COMMANDS_GROUP = "agent"
+
+# Approximate MAXLEN for each stream (XADD ... MAXLEN ~ N).
+HEARTBEATS_MAXLEN = 100_000
+COMMANDS_MAXLEN = 1_000
+RESULTS_MAXLEN = 10_000
+
+HEARTBEAT_INTERVAL_S = 1.0
+# An agent is `lost` after this many heartbeat intervals without one.
+MISSED_HEARTBEATS_FOR_LOST = 3
+
+# A command older than this when the agent reads it is refused as expired.
+COMMAND_TTL_S = 300.0
+
+AGENT_NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+DIGEST_PATTERN = re.compile(r"^[0-9a-f]{64}$")
+
+
+def commands_stream(agent_name: str) -> str:
+    return f"agent:{agent_name}:commands"
+
+
+def command_record_key(agent_name: str, command_id: str) -> str:
+    """The final result of one command (JSON, with a TTL): how an agent knows a redelivery."""
+    return f"agent:{agent_name}:completed:{command_id}"
+
+
+class ContractError(ValueError):
+    """An entry or payload does not follow the contract; the message names the field."""
+
+
+class AgentState(StrEnum):
+    """What an agent reports. `lost` is never reported: ingest decides it."""
+
+    IDLE = "idle"  # no engine
+    LOADING = "loading"  # downloading and verifying an artifact
+    WARMING = "warming"  # a new engine is starting and warming up
+    READY = "ready"  # an engine serves
+    DRAINING = "draining"  # finishing in-flight requests, taking no new ones
+    FAILED = "failed"  # nothing serves and the last attempt failed (see `detail`)
+
+
+class EnergySource(StrEnum):
+    NVML = "nvml"  # the GPU's total energy counter
+    RAPL = "rapl"  # Linux powercap (CPU package) counters
+    ESTIMATE = "estimate"  # CPU time of the engine process tree x watts per core
+
+
+class CommandKind(StrEnum):
+    LOAD = "load"
+    DRAIN = "drain"
+    UNLOAD = "unload"
+    FAULTS = "faults"
+
+
+class CommandStatus(StrEnum):
+    ACCEPTED = "accepted"  # read by the agent, running
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # attempted and failed; `detail` says why
+    REJECTED = "rejected"  # not attempted: malformed, expired or not applicable
+
+
+FINAL_COMMAND_STATUSES = frozenset(
+    {CommandStatus.SUCCEEDED, CommandStatus.FAILED, CommandStatus.REJECTED}
+)
+
+
+# Field readers: each raises ContractError naming the field.
+
+
+def _required(data: Mapping[str, str], name: str) -> str:
+    value = data.get(name)
+    if value is None:
+        raise ContractError(f"{name}: missing")
+    if not isinstance(value, str):
+        raise ContractError(f"{name}: must be a string, got {type(value).__name__}")
+    return value
+
+
+def _int(data: Mapping[str, str], name: str, *, minimum: int = 0) -> int:
+    raw = _required(data, name)
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise ContractError(f"{name}: not an integer: {raw[:40]!r}") from exc
+    if value < minimum:
+        raise ContractError(f"{name}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _float(
+    data: Mapping[str, str], name: str, *, minimum: float = 0.0, maximum: float | None = None
+) -> float:
+    raw = _required(data, name)
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ContractError(f"{name}: not a number: {raw[:40]!r}") from exc
+    if not math.isfinite(value):
+        raise ContractError(f"{name}: must be finite, got {raw[:40]!r}")
+    if value < minimum:
+        raise ContractError(f"{name}: must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ContractError(f"{name}: must be <= {maximum}, got {value}")
+    return value
+
+
+def _optional_float(data: Mapping[str, str], name: str) -> float | None:
+    if _required(data, name) == "":
+        return None
+    return _float(data, name)
+
+
+def _choice(data: Mapping[str, str], name: str, enum: type[StrEnum]) -> Any:
+    raw = _required(data, name)
+    try:
+        return enum(raw)
+    except ValueError as exc:
+        allowed = ", ".join(member.value for member in enum)
+        raise ContractError(f"{name}: {raw[:40]!r} is not one of {allowed}") from exc
+
+
+def _text(data: Mapping[str, str], name: str, *, max_length: int) -> str:
+    value = _required(data, name)
+    if len(value) > max_length:
+        raise ContractError(f"{name}: longer than {max_length} characters")
+    return value
+
+
+def _format_float(value: float | None) -> str:
+    if value is None:
+        return ""
+    return repr(float(value))  # exact: what is read back is what was written
+
+
+def validate_agent_name(name: str) -> str:
+    if not AGENT_NAME_PATTERN.fullmatch(name):
+        raise ContractError(
+            f"agent: {name[:70]!r} must be 1-63 characters of a-z, 0-9, '.', '_', '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def validate_endpoint(endpoint: str) -> str:
+    if endpoint and not re.fullmatch(r"https?://[^\s/]+(:\d+)?/?", endpoint):
+        raise ContractError(f"endpoint: {endpoint[:80]!r} is not an http(s) URL of a host")
+    return endpoint
+
+
+@dataclass(slots=True, frozen=True)
+class Heartbeat:
+    agent: str
+    seq: int
+    sent_at: float
+    host: str
+    endpoint: str
+    state: AgentState
+    version_id: int | None
+    version_digest: str
+    detail: str
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    interval_s: float
+    tokens_per_second: float
+    prompt_tokens: int
+    generated_tokens: int
+    requests_ok: int
+    requests_failed: int
+    requests_aborted: int
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
+    itl_mean_s: float | None
+    itl_p95_s: float | None
+    prompt_tokens_total: int
+    generated_tokens_total: int
+    requests_ok_total: int
+    requests_failed_total: int
+    power_watts: float
+    energy_joules: float
+    energy_source: EnergySource
+    joules_per_token: float | None
+    fault_latency_ms: float = 0.0
+    fault_error_rate: float = 0.0
+
+    def to_fields(self) -> dict[str, str]:
+        out = {
+            "v": SCHEMA_VERSION,
+            "agent": self.agent,
+            "seq": str(self.seq),
+            "sent_at": _format_float(self.sent_at),
+            "host": self.host,
+            "endpoint": self.endpoint,
+            "state": self.state.value,
+            "version_id": "" if self.version_id is None else str(self.version_id),
+            "version_digest": self.version_digest,
+            "energy_source": self.energy_source.value,
+            "detail": self.detail,
+        }
+        figures: dict[str, Any] = {name: getattr(self, name) for name in INT_FIGURES}
+        for name in (*FLOAT_FIGURES, *OPTIONAL_FIGURES):
+            value = getattr(self, name)
+            figures[name] = None if value is None else float(value)
+        out[FIGURES_FIELD] = json.dumps(figures, separators=(",", ":"))
+        return out
+
+    def figures(self) -> dict[str, Any]:
+        """The JSON-ready figures (everything but identity), for the database and events."""
+        # Not dataclasses.asdict: it deep-copies every value, and ingest calls this per entry.
+        data = {name: getattr(self, name) for name in _FIGURE_NAMES}
+        data["state"] = self.state.value
+        data["energy_source"] = self.energy_source.value
+        return data
+
+
+# The numbers travel in one JSON field (`figures`): the stream's reader pays per field
+# (Redis protocol parsing in Python), and ingest reads thousands of entries a second.
+FIGURES_FIELD = "figures"
+INT_FIGURES = (
+    "running",
+    "waiting",
+    "prompt_tokens",
+    "generated_tokens",
+    "requests_ok",
+    "requests_failed",
+    "requests_aborted",
+    "prompt_tokens_total",
+    "generated_tokens_total",
+    "requests_ok_total",
+    "requests_failed_total",
+)
+# name -> maximum (None: unbounded); all must be finite and >= 0.
+FLOAT_FIGURES: dict[str, float | None] = {
+    "kv_cache_usage": 1.0,
+    "interval_s": None,
+    "tokens_per_second": None,
+    "power_watts": None,
+    "energy_joules": None,
+    "fault_latency_ms": None,
+    "fault_error_rate": 1.0,
+}
+# May be null: no request finished in the interval, or no token was generated.
+OPTIONAL_FIGURES = ("ttft_p50_s", "ttft_p95_s", "itl_mean_s", "itl_p95_s", "joules_per_token")
+_FIGURE_NAMES = tuple(
+    item.name for item in fields(Heartbeat) if item.name not in {"agent", "host", "endpoint", "seq"}
+)
+
+
+def _figure_number(figures: Mapping[str, Any], name: str, maximum: float | None) -> float:
+    if name not in figures:
+        raise ContractError(f"figures.{name}: missing")
+    value = figures[name]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ContractError(f"figures.{name}: not a number: {str(value)[:40]!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ContractError(f"figures.{name}: must be finite and >= 0, got {value}")
+    if maximum is not None and value > maximum:
+        raise ContractError(f"figures.{name}: must be <= {maximum}, got {value}")
+    return float(value)
+
+
+def parse_heartbeat(data: Mapping[str, str]) -> Heartbeat:
+    """Validate one heartbeat entry; raises ContractError naming the first bad field."""
+    version = data.get("v")
+    if version != SCHEMA_VERSION:
+        raise ContractError(f"v: unsupported schema version {version!r}")
+    version_id_raw = _required(data, "version_id")
+    version_id = None if version_id_raw == "" else _int(data, "version_id", minimum=1)
+    digest = _required(data, "version_digest")
+    if digest and not DIGEST_PATTERN.fullmatch(digest):
+        raise ContractError("version_digest: must be 64 lowercase hex characters or empty")
+    try:
+        figures = json.loads(_required(data, FIGURES_FIELD))
+    except json.JSONDecodeError as exc:
+        raise ContractError(f"{FIGURES_FIELD}: not JSON ({exc.msg})") from exc
+    if not isinstance(figures, dict):
+        raise ContractError(f"{FIGURES_FIELD}: must be a JSON object")
+    numbers: dict[str, Any] = {}
+    for name in INT_FIGURES:
+        value = figures.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ContractError(f"figures.{name}: must be an integer >= 0, got {value!r}")
+        numbers[name] = value
+    for name, maximum in FLOAT_FIGURES.items():
+        numbers[name] = _figure_number(figures, name, maximum)
+    for name in OPTIONAL_FIGURES:
+        is_null = figures.get(name, 0) is None
+        numbers[name] = None if is_null else _figure_number(figures, name, None)
+    return Heartbeat(
+        agent=validate_agent_name(_required(data, "agent")),
+        seq=_int(data, "seq"),
+        sent_at=_float(data, "sent_at"),
+        host=_text(data, "host", max_length=255),
+        endpoint=validate_endpoint(_text(data, "endpoint", max_length=255)),
+        state=_choice(data, "state", AgentState),
+        version_id=version_id,
+        version_digest=digest,
+        detail=_text(data, "detail", max_length=1000),
+        energy_source=_choice(data, "energy_source", EnergySource),
+        **numbers,
+    )
+
+
+# Commands.
+
+
+@dataclass(slots=True, frozen=True)
+class LoadPayload:
+    """Everything an agent needs to fetch, verify and start a version.
+
+    The signature covers (digest, serving_config); the agent checks the artifact's
+    SHA-256 against `digest` and the signature with `public_key` (and, when it was
+    started with pinned keys, that `key_id` is one of them) before anything is loaded.
+    """
+
+    version_id: int
+    model: str
+    label: str
+    digest: str
+    format: str
+    size_bytes: int
+    serving_config: dict[str, Any]
+    signature: str
+    key_id: str
+    public_key: str
+    served_model_name: str
+
+
+@dataclass(slots=True, frozen=True)
+class FaultsPayload:
+    latency_ms_per_token: float
+    error_rate: float
+
+
+@dataclass(slots=True, frozen=True)
+class Command:
+    command_id: str
+    kind: CommandKind
+    issued_at: float
+    expires_at: float
+    payload: dict[str, Any] = field(default_factory=dict)
+
+    def to_fields(self) -> dict[str, str]:
+        return {
+            "v": SCHEMA_VERSION,
+            "command_id": self.command_id,
+            "kind": self.kind.value,
+            "issued_at": _format_float(self.issued_at),
+            "expires_at": _format_float(self.expires_at),
+            "payload": json.dumps(self.payload, sort_keys=True, separators=(",", ":")),
+        }
+
+    def is_expired(self, now: float | None = None) -> bool:
+        return (time.time() if now is None else now) > self.expires_at
+
+
+def new_command(
+    kind: CommandKind, payload: Mapping[str, Any], *, ttl_s: float = COMMAND_TTL_S
+) -> Command:
+    now = time.time()
+    return Command(
+        command_id=uuid.uuid4().hex,
+        kind=kind,
+        issued_at=now,
+        expires_at=now + ttl_s,
+        payload=dict(payload),
+    )
+
+
+def parse_command(data: Mapping[str, str]) -> Command:
+    if data.get("v") != SCHEMA_VERSION:
+        raise ContractError(f"v: unsupported schema version {data.get('v')!r}")
+    command_id = _required(data, "command_id")
+    if not re.fullmatch(r"[0-9a-f]{32}", command_id):
+        raise ContractError("command_id: must be 32 lowercase hex characters")
+    try:
+        payload = json.loads(_required(data, "payload"))
+    except json.JSONDecodeError as exc:
+        raise ContractError(f"payload: not JSON ({exc.msg})") from exc
+    if not isinstance(payload, dict):
+        raise ContractError("payload: must be a JSON object")
+    command = Command(
+        command_id=command_id,
+        kind=_choice(data, "kind", CommandKind),
+        issued_at=_float(data, "issued_at"),
+        expires_at=_float(data, "expires_at"),
+        payload=payload,
+    )
+    # Validate the payload now, so a bad command is rejected before anything runs.
+    if command.kind is CommandKind.LOAD:
+        parse_load_payload(command.payload)
+    elif command.kind is CommandKind.FAULTS:
+        parse_faults_payload(command.payload)
+    return command
+
+
+def _payload_value(payload: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    if name not in payload:
+        raise ContractError(f"payload.{name}: missing")
+    value = payload[name]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ContractError(f"payload.{name}: wrong type {type(value).__name__}")
+    return value
+
+
+def parse_load_payload(payload: Mapping[str, Any]) -> LoadPayload:
+    digest = _payload_value(payload, "digest", str)
+    if not DIGEST_PATTERN.fullmatch(digest):
+        raise ContractError("payload.digest: must be 64 lowercase hex characters")
+    version_id = _payload_value(payload, "version_id", int)
+    if version_id < 1:
+        raise ContractError("payload.version_id: must be >= 1")
+    size_bytes = _payload_value(payload, "size_bytes", int)
+    if size_bytes < 0:
+        raise ContractError("payload.size_bytes: must be >= 0")
+    return LoadPayload(
+        version_id=version_id,
+        model=_payload_value(payload, "model", str),
+        label=_payload_value(payload, "label", str),
+        digest=digest,
+        format=_payload_value(payload, "format", str),
+        size_bytes=size_bytes,
+        serving_config=_payload_value(payload, "serving_config", dict),
+        signature=_payload_value(payload, "signature", str),
+        key_id=_payload_value(payload, "key_id", str),
+        public_key=_payload_value(payload, "public_key", str),
+        served_model_name=_payload_value(payload, "served_model_name", str),
+    )
+
+
+def parse_faults_payload(payload: Mapping[str, Any]) -> FaultsPayload:
+    latency = float(_payload_value(payload, "latency_ms_per_token", (int, float)))
+    error_rate = float(_payload_value(payload, "error_rate", (int, float)))
+    if not (math.isfinite(latency) and 0 <= latency <= 60_000):
+        raise ContractError("payload.latency_ms_per_token: must be within 0..60000")
+    if not (math.isfinite(error_rate) and 0 <= error_rate <= 1):
+        raise ContractError("payload.error_rate: must be within 0..1")
+    return FaultsPayload(latency_ms_per_token=latency, error_rate=error_rate)
+
+
+# Command results.
+
+
+@dataclass(slots=True, frozen=True)
+class CommandResult:
+    command_id: str
+    agent: str
+    kind: str
+    status: CommandStatus
+    detail: str
+    finished_at: float
+    is_replay: bool = False  # a redelivered command answered from the agent's record
+    endpoint: str = ""
+    version_id: int | None = None
+
+    def to_fields(self) -> dict[str, str]:
+        return {
+            "v": SCHEMA_VERSION,
+            "command_id": self.command_id,
+            "agent": self.agent,
+            "kind": self.kind,
+            "status": self.status.value,
+            "detail": self.detail[:1000],
+            "finished_at": _format_float(self.finished_at),
+            "is_replay": "1" if self.is_replay else "0",
+            "endpoint": self.endpoint,
+            "version_id": "" if self.version_id is None else str(self.version_id),
+        }
+
+
+def parse_command_result(data: Mapping[str, str]) -> CommandResult:
+    if data.get("v") != SCHEMA_VERSION:
+        raise ContractError(f"v: unsupported schema version {data.get('v')!r}")
+    version_id_raw = _required(data, "version_id")
+    is_replay = _required(data, "is_replay")
+    if is_replay not in {"0", "1"}:
+        raise ContractError("is_replay: must be 0 or 1")
+    return CommandResult(
+        command_id=_text(data, "command_id", max_length=32),
+        agent=validate_agent_name(_required(data, "agent")),
+        kind=_choice(data, "kind", CommandKind).value,
+        status=_choice(data, "status", CommandStatus),
+        detail=_text(data, "detail", max_length=1000),
+        finished_at=_float(data, "finished_at"),
+        is_replay=is_replay == "1",
+        endpoint=validate_endpoint(_text(data, "endpoint", max_length=255)),
+        version_id=None if version_id_raw == "" else _int(data, "version_id", minimum=1),
+    )

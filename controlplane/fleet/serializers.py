@@ -1,0 +1,129 @@
+"""Fleet API shapes: agents with their latest figures, history buckets, commands, registration."""
+
+from typing import Any
+
+from rest_framework import serializers
+
+from contracts.streams import AGENT_NAME_PATTERN, EnergySource
+from controlplane.accounts.api_base import StrictSerializer
+from controlplane.fleet.models import Agent, AgentCommand, CommandKind
+
+
+class LoadedVersionSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    model = serializers.CharField(source="model.name")
+    label = serializers.CharField()
+
+
+class AgentSerializer(serializers.ModelSerializer):
+    loaded_version = LoadedVersionSerializer(allow_null=True)
+
+    class Meta:
+        model = Agent
+        fields = [
+            "name",
+            "host",
+            "endpoint",
+            "ports",
+            "state",
+            "detail",
+            "accelerator",
+            "inventory",
+            "energy_source",
+            "loaded_version",
+            "loaded_digest",
+            "figures",
+            "last_seen",
+            "registered_at",
+        ]
+        read_only_fields = fields
+
+
+class AgentCommandSerializer(serializers.ModelSerializer):
+    agent = serializers.CharField(source="agent.name")
+    issued_by = serializers.CharField(source="issued_by.username", allow_null=True, default=None)
+
+    class Meta:
+        model = AgentCommand
+        fields = [
+            "command_id",
+            "agent",
+            "kind",
+            "version",
+            "payload",
+            "status",
+            "detail",
+            "reason",
+            "issued_by",
+            "created_at",
+            "accepted_at",
+            "finished_at",
+        ]
+        read_only_fields = fields
+
+    def to_representation(self, instance: AgentCommand) -> dict[str, Any]:
+        data = super().to_representation(instance)
+        # The load payload carries the public key and signature: useful, not secret; the
+        # serving config is in the version. Keep the answer short.
+        data["payload"] = {
+            key: value
+            for key, value in (instance.payload or {}).items()
+            if key not in {"signature", "public_key"}
+        }
+        return data
+
+
+class CommandRequestSerializer(StrictSerializer):
+    kind = serializers.ChoiceField(choices=CommandKind.choices)
+    version_id = serializers.IntegerField(required=False, min_value=1)
+    served_model_name = serializers.CharField(required=False, allow_blank=True, max_length=100)
+    latency_ms_per_token = serializers.FloatField(required=False, min_value=0, max_value=60_000)
+    error_rate = serializers.FloatField(required=False, min_value=0, max_value=1)
+    reason = serializers.CharField(required=False, allow_blank=True, default="")
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if attrs["kind"] == CommandKind.LOAD and "version_id" not in attrs:
+            raise serializers.ValidationError({"version_id": ["A load names a version."]})
+        return attrs
+
+
+class RegistrationSerializer(StrictSerializer):
+    name = serializers.RegexField(AGENT_NAME_PATTERN)
+    host = serializers.CharField(max_length=255)
+    endpoint = serializers.CharField(max_length=255, allow_blank=True)
+    ports = serializers.ListField(
+        child=serializers.IntegerField(min_value=1, max_value=65535), max_length=8
+    )
+    inventory = serializers.DictField()
+    energy_source = serializers.ChoiceField(choices=[source.value for source in EnergySource])
+    # Reported for the record; the heartbeats that follow carry the live values.
+    state = serializers.CharField(required=False, max_length=20)
+    loaded_version_id = serializers.IntegerField(required=False, allow_null=True)
+    heartbeat_interval_s = serializers.FloatField(required=False, min_value=0.05)
+
+
+class HistoryQuerySerializer(serializers.Serializer):
+    since = serializers.DateTimeField(required=False)
+    until = serializers.DateTimeField(required=False)
+
+
+class HistoryBucketSerializer(serializers.Serializer):
+    bucket_start = serializers.DateTimeField()
+    state = serializers.CharField()
+    version_id = serializers.IntegerField(allow_null=True)
+    energy_source = serializers.CharField()
+    energy_joules = serializers.FloatField()
+    generated_tokens = serializers.IntegerField()
+    prompt_tokens = serializers.IntegerField()
+    tokens_per_second = serializers.FloatField()
+    joules_per_token = serializers.FloatField(allow_null=True)
+    average_power_watts = serializers.FloatField()
+    requests_ok = serializers.IntegerField()
+    requests_failed = serializers.IntegerField()
+    error_rate = serializers.FloatField(allow_null=True)
+    running_max = serializers.IntegerField()
+    waiting_max = serializers.IntegerField()
+    kv_cache_usage_max = serializers.FloatField()
+    power_watts_max = serializers.FloatField()
+    ttft_p95_max_s = serializers.FloatField(allow_null=True)
+    itl_p95_max_s = serializers.FloatField(allow_null=True)

@@ -1,0 +1,744 @@
+"""Writes to the fleet: registration, commands, heartbeats and results from ingest, lost agents.
+
+Heartbeats and command results arrive at least once and in any order across several
+ingest processes, so every write here is idempotent and order-safe: an agent's row only
+moves forward (by the heartbeat's send time), rollup columns merge with min/max, and a
+command's status only moves forward.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import redis
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.conf import settings
+from django.db import connection, transaction
+from django.utils import timezone
+from rest_framework import status
+
+from contracts.streams import (
+    COMMANDS_MAXLEN,
+    CommandResult,
+    Heartbeat,
+    commands_stream,
+    new_command,
+)
+from contracts.streams import CommandKind as WireCommandKind
+from controlplane.accounts import access
+from controlplane.audit.services import audit_event_record
+from controlplane.core.errors import Conflict, DomainError, Forbidden, NotFound
+from controlplane.core.events import BROADCAST_GROUP
+from controlplane.fleet.models import (
+    FINAL_COMMAND_STATUSES,
+    ROLLUP_SECONDS,
+    Agent,
+    AgentCommand,
+    AgentSample,
+    AgentState,
+    CommandKind,
+    CommandStatus,
+)
+from controlplane.registry.models import ModelVersion, VersionStatus
+
+logger = logging.getLogger(__name__)
+
+RESERVED_AGENT_NAMES = frozenset({"register"})
+LOADABLE_STATUSES = frozenset(
+    {
+        VersionStatus.VERIFIED,
+        VersionStatus.EVALUATED,
+        VersionStatus.APPROVED,
+        VersionStatus.DEPRECATED,
+    }
+)
+
+
+def fleet_event_publish(event: str, payload: dict[str, Any]) -> None:
+    """Send one live event to the dashboard's fleet group (and the broadcast group for now)."""
+    fleet_events_publish([(event, payload)])
+
+
+def fleet_events_publish(events: Sequence[tuple[str, dict[str, Any]]]) -> None:
+    """Send live events in one go (one event loop for all of them: ingest sends many).
+
+    The message shape is controlplane.core.events.publish_event's.
+    """
+    if not events:
+        return
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    groups = [settings.FLEET_LIVE_GROUP, BROADCAST_GROUP]
+
+    async def send_all() -> None:
+        for event, payload in events:
+            message = {"type": "live.event", "event": event, "payload": payload}
+            for group in groups:
+                await layer.group_send(group, message)
+
+    try:
+        async_to_sync(send_all)()
+    except Exception as exc:  # a live view is best effort; the database is the record
+        logger.warning("could not publish %d live events: %s", len(events), exc)
+
+
+def _user_or_none(actor: Any) -> Any:
+    return actor if actor is not None and getattr(actor, "is_authenticated", False) else None
+
+
+def agent_event_payload(agent: Agent) -> dict[str, Any]:
+    return {
+        "agent": agent.name,
+        "state": agent.state,
+        "detail": agent.detail,
+        "endpoint": agent.endpoint,
+        "loaded_version_id": agent.loaded_version_id,
+        "last_seen": agent.last_seen.isoformat() if agent.last_seen else None,
+    }
+
+
+# Registration.
+
+
+@transaction.atomic
+def agent_register(
+    *,
+    actor: Any,
+    name: str,
+    host: str,
+    endpoint: str,
+    ports: list[int],
+    inventory: dict[str, Any],
+    energy_source: str,
+) -> tuple[Agent, bool]:
+    """Create or refresh an agent by name; (agent, created). Agents re-register at every start
+    and after every Redis outage, so only a new agent or a changed host is audited."""
+    if not access.can_register_agent(actor):
+        raise Forbidden("Only the agent service account (or an admin) registers agents.")
+    if name in RESERVED_AGENT_NAMES:
+        raise DomainError("reserved_name", f"{name!r} is reserved.", fields={"name": [name]})
+    now = timezone.now()
+    # get_or_create settles two first registrations racing (the unique name decides).
+    _, created = Agent.objects.get_or_create(
+        name=name, defaults={"registered_at": now, "host": host, "state": AgentState.IDLE}
+    )
+    agent = Agent.objects.select_for_update().get(name=name)
+    before = None if created else agent.snapshot()
+    is_moved = not created and agent.host != host
+    agent.host = host
+    agent.endpoint = endpoint
+    agent.ports = ports
+    agent.inventory = inventory
+    agent.accelerator = str(inventory.get("accelerator") or "")[:200]
+    agent.energy_source = energy_source
+    agent.registered_by = _user_or_none(actor)
+    agent.registered_at = now if created or is_moved else agent.registered_at
+    agent.last_seen = now  # lost detection starts counting from here
+    was_lost = agent.state == AgentState.LOST
+    if was_lost:
+        agent.state, agent.detail = AgentState.IDLE, ""
+    agent.save()
+    if created or is_moved:
+        audit_event_record(
+            actor=actor,
+            action="agent.register",
+            object_type="agent",
+            object_id=agent.name,
+            object_repr=agent.name,
+            before=before,
+            after={**agent.snapshot(), "accelerator": agent.accelerator},
+        )
+    if created or was_lost:
+        payload = agent_event_payload(agent)
+        transaction.on_commit(lambda: fleet_event_publish("agent.state", payload))
+    return agent, created
+
+
+# Commands.
+
+
+def _load_payload(version: ModelVersion, *, served_model_name: str) -> dict[str, Any]:
+    if version.status not in LOADABLE_STATUSES:
+        raise Conflict(
+            "version_not_loadable",
+            f"Version {version} is {version.status}; only verified versions can be loaded.",
+        )
+    key = version.signing_key
+    if not version.signature or key is None:
+        raise Conflict(
+            "version_unsigned",
+            f"Version {version} has no signature: agents verify one before loading.",
+        )
+    if not key.is_trusted:
+        raise Conflict("signing_key_untrusted", f"Signing key {key.key_id} is not trusted.")
+    return {
+        "version_id": version.pk,
+        "model": version.model.name,
+        "label": version.label,
+        "digest": version.artifact.digest,
+        "format": version.artifact.format,
+        "size_bytes": version.artifact.size_bytes,
+        "serving_config": version.serving_config,
+        "signature": version.signature,
+        "key_id": key.key_id,
+        "public_key": key.public_key,
+        "served_model_name": served_model_name or version.model.name,
+    }
+
+
+def agent_command_send(
+    *,
+    actor: Any,
+    agent_name: str,
+    kind: str,
+    version_id: int | None = None,
+    served_model_name: str = "",
+    latency_ms_per_token: float | None = None,
+    error_rate: float | None = None,
+    reason: str = "",
+    redis_client: redis.Redis | None = None,
+) -> AgentCommand:
+    """Record, audit and send one command to an agent's stream, in one transaction.
+
+    The stream entry is added last inside the transaction: if Redis refuses it nothing is
+    recorded (503); the agent answers on `agent:results`, which ingest applies.
+    """
+    if not access.can_command_agents(actor):
+        raise Forbidden("Only release managers and on-call engineers command agents.")
+    if kind not in CommandKind.values:
+        raise DomainError("invalid", f"Unknown command {kind!r}.", fields={"kind": [kind]})
+    client = redis_client or redis.Redis.from_url(
+        settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=2
+    )
+    version: ModelVersion | None = None
+    payload: dict[str, Any] = {}
+    if kind == CommandKind.LOAD:
+        if version_id is None:
+            raise DomainError("invalid", "A load names a version.", fields={"version_id": []})
+        version = (
+            ModelVersion.objects.select_related("model", "artifact", "signing_key")
+            .filter(pk=version_id)
+            .first()
+        )
+        if version is None:
+            raise NotFound("No such version.")
+        payload = _load_payload(version, served_model_name=served_model_name)
+    elif kind == CommandKind.FAULTS:
+        latency = 0.0 if latency_ms_per_token is None else float(latency_ms_per_token)
+        rate = 0.0 if error_rate is None else float(error_rate)
+        problems: dict[str, list[str]] = {}
+        if not 0 <= latency <= 60_000:
+            problems["latency_ms_per_token"] = ["Must be between 0 and 60000."]
+        if not 0 <= rate <= 1:
+            problems["error_rate"] = ["Must be between 0 and 1."]
+        if problems:
+            raise DomainError("invalid", "The fault settings are not valid.", fields=problems)
+        payload = {"latency_ms_per_token": latency, "error_rate": rate}
+    wire = new_command(WireCommandKind(kind), payload, ttl_s=settings.FLEET_COMMAND_TTL_S)
+    try:
+        with transaction.atomic():
+            agent = Agent.objects.select_for_update().filter(name=agent_name).first()
+            if agent is None:
+                raise NotFound("No such agent.")
+            if agent.state == AgentState.LOST:
+                raise Conflict("agent_lost", f"Agent {agent.name} is lost; it cannot be commanded.")
+            command = AgentCommand.objects.create(
+                command_id=wire.command_id,
+                agent=agent,
+                kind=kind,
+                payload=payload,
+                version=version,
+                reason=reason,
+                issued_by=_user_or_none(actor),
+            )
+            audit_event_record(
+                actor=actor,
+                action=f"agent.command.{kind}",
+                object_type="agent",
+                object_id=agent.name,
+                object_repr=agent.name,
+                before=agent.snapshot(),
+                after={
+                    "command_id": command.command_id,
+                    "kind": kind,
+                    "version_id": version.pk if version else None,
+                    **({"faults": payload} if kind == CommandKind.FAULTS else {}),
+                },
+                reason=reason,
+            )
+            entry_id = client.xadd(
+                commands_stream(agent.name),
+                wire.to_fields(),  # type: ignore[arg-type]
+                maxlen=COMMANDS_MAXLEN,
+                approximate=True,
+            )
+            command.stream_entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            command.save(update_fields=["stream_entry_id"])
+    except redis.RedisError as exc:
+        raise DomainError(
+            "redis_unavailable",
+            f"The command could not be queued: {exc}",
+            status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+        ) from exc
+    finally:
+        if redis_client is None:
+            client.close()
+    event = command_event_payload(command)
+    transaction.on_commit(lambda: fleet_event_publish("agent.command", event))
+    return command
+
+
+def command_event_payload(command: AgentCommand) -> dict[str, Any]:
+    return {
+        "command_id": command.command_id,
+        "agent": command.agent.name,
+        "kind": command.kind,
+        "status": command.status,
+        "detail": command.detail,
+    }
+
+
+def _command_status_rank(value: str) -> int:
+    if value in FINAL_COMMAND_STATUSES:
+        return 2
+    return 1 if value == CommandStatus.ACCEPTED else 0
+
+
+@transaction.atomic
+def command_results_apply(*, results: Sequence[CommandResult]) -> list[dict[str, Any]]:
+    """Apply results from `agent:results`; statuses only move forward. Returns the events."""
+    by_id = {result.command_id: result for result in results}
+    commands = (
+        AgentCommand.objects.select_for_update()
+        .select_related("agent")
+        .filter(command_id__in=by_id)
+        .order_by("id")
+    )
+    events = []
+    for command in commands:
+        # Several results for one command in a batch: apply them in order of rank.
+        for result in sorted(
+            (r for r in results if r.command_id == command.command_id),
+            key=lambda r: _command_status_rank(r.status.value),
+        ):
+            if result.agent != command.agent.name:
+                logger.warning("result for %s from the wrong agent", command.command_id)
+                continue
+            if _command_status_rank(result.status.value) <= _command_status_rank(command.status):
+                continue  # a replay or an older result
+            when = datetime.fromtimestamp(result.finished_at, tz=UTC)
+            command.status = result.status.value
+            command.detail = result.detail
+            if result.status.value == CommandStatus.ACCEPTED:
+                command.accepted_at = when
+            else:
+                command.finished_at = when
+                command.accepted_at = command.accepted_at or when
+            command.save(update_fields=["status", "detail", "accepted_at", "finished_at"])
+            events.append(command_event_payload(command))
+    return events
+
+
+# Heartbeats.
+
+
+@dataclass
+class HeartbeatBatchOutcome:
+    applied: int = 0
+    unknown_agents: set[str] = field(default_factory=set)
+    state_events: list[dict[str, Any]] = field(default_factory=list)
+    figures: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ReceivedHeartbeat:
+    heartbeat: Heartbeat
+    received_at: datetime  # the Redis entry id's time
+
+
+def _bucket_start(moment: datetime) -> datetime:
+    seconds = int(moment.timestamp())
+    return datetime.fromtimestamp(seconds - seconds % ROLLUP_SECONDS, tz=UTC)
+
+
+def compact_figures(heartbeat: Heartbeat) -> dict[str, Any]:
+    """The few figures the live fleet view shows."""
+    return {
+        "state": heartbeat.state.value,
+        "running": heartbeat.running,
+        "waiting": heartbeat.waiting,
+        "kv_cache_usage": heartbeat.kv_cache_usage,
+        "tokens_per_second": heartbeat.tokens_per_second,
+        "power_watts": heartbeat.power_watts,
+        "energy_joules": heartbeat.energy_joules,
+        "energy_source": heartbeat.energy_source.value,
+        "joules_per_token": heartbeat.joules_per_token,
+        "ttft_p95_s": heartbeat.ttft_p95_s,
+    }
+
+
+SAMPLE_GREATEST = (
+    "running_max",
+    "waiting_max",
+    "kv_cache_usage_max",
+    "tokens_per_second_max",
+    "power_watts_max",
+    "ttft_p95_max_s",
+    "itl_p95_max_s",
+    "energy_joules_max",
+    "generated_tokens_total_max",
+    "prompt_tokens_total_max",
+    "requests_ok_total_max",
+    "requests_failed_total_max",
+    "last_sent_at",
+)
+SAMPLE_LEAST = (
+    "energy_joules_min",
+    "generated_tokens_total_min",
+    "prompt_tokens_total_min",
+    "requests_ok_total_min",
+    "requests_failed_total_min",
+    "first_sent_at",
+)
+SAMPLE_LATEST = ("state", "version_id", "energy_source")
+SAMPLE_COLUMNS = ("agent_id", "bucket_start", *SAMPLE_GREATEST, *SAMPLE_LEAST, *SAMPLE_LATEST)
+SAMPLE_TYPES = {
+    "agent_id": "bigint",
+    "bucket_start": "timestamptz",
+    "first_sent_at": "timestamptz",
+    "last_sent_at": "timestamptz",
+    "state": "varchar",
+    "version_id": "bigint",
+    "energy_source": "varchar",
+    "running_max": "integer",
+    "waiting_max": "integer",
+    **{
+        column: "double precision"
+        for column in (
+            "kv_cache_usage_max",
+            "tokens_per_second_max",
+            "power_watts_max",
+            "ttft_p95_max_s",
+            "itl_p95_max_s",
+            "energy_joules_min",
+            "energy_joules_max",
+        )
+    },
+    **{
+        column: "bigint"
+        for column in (
+            "generated_tokens_total_min",
+            "generated_tokens_total_max",
+            "prompt_tokens_total_min",
+            "prompt_tokens_total_max",
+            "requests_ok_total_min",
+            "requests_ok_total_max",
+            "requests_failed_total_min",
+            "requests_failed_total_max",
+        )
+    },
+}
+
+
+def _merge_sample(row: dict[str, Any], heartbeat: Heartbeat, sent_at: datetime) -> None:
+    values = {
+        "running_max": heartbeat.running,
+        "waiting_max": heartbeat.waiting,
+        "kv_cache_usage_max": heartbeat.kv_cache_usage,
+        "tokens_per_second_max": heartbeat.tokens_per_second,
+        "power_watts_max": heartbeat.power_watts,
+        "ttft_p95_max_s": heartbeat.ttft_p95_s,
+        "itl_p95_max_s": heartbeat.itl_p95_s,
+        "energy_joules_max": heartbeat.energy_joules,
+        "generated_tokens_total_max": heartbeat.generated_tokens_total,
+        "prompt_tokens_total_max": heartbeat.prompt_tokens_total,
+        "requests_ok_total_max": heartbeat.requests_ok_total,
+        "requests_failed_total_max": heartbeat.requests_failed_total,
+        "last_sent_at": sent_at,
+    }
+    minimums = {
+        "energy_joules_min": heartbeat.energy_joules,
+        "generated_tokens_total_min": heartbeat.generated_tokens_total,
+        "prompt_tokens_total_min": heartbeat.prompt_tokens_total,
+        "requests_ok_total_min": heartbeat.requests_ok_total,
+        "requests_failed_total_min": heartbeat.requests_failed_total,
+        "first_sent_at": sent_at,
+    }
+    is_latest = "last_sent_at" not in row or sent_at >= row["last_sent_at"]
+    for name, value in values.items():
+        current = row.get(name)
+        if current is None or (value is not None and value > current):
+            row[name] = value
+    for name, value in minimums.items():
+        current = row.get(name)
+        row[name] = value if current is None else min(current, value)
+    if is_latest:
+        row["state"] = heartbeat.state.value
+        row["version_id"] = heartbeat.version_id
+        row["energy_source"] = heartbeat.energy_source.value
+
+
+def _greatest(column: str, table: str) -> str:
+    # COALESCE on both sides: PostgreSQL's GREATEST skips NULLs, SQLite's max() does not.
+    function = "GREATEST" if connection.vendor == "postgresql" else "MAX"
+    return (
+        f"{column} = {function}(COALESCE({table}.{column}, EXCLUDED.{column}), "
+        f"COALESCE(EXCLUDED.{column}, {table}.{column}))"
+    )
+
+
+def _least(column: str, table: str) -> str:
+    function = "LEAST" if connection.vendor == "postgresql" else "MIN"
+    return f"{column} = {function}({table}.{column}, EXCLUDED.{column})"
+
+
+def _server_binding_cursor() -> Any:
+    """A psycopg cursor on Django's connection (same transaction) that binds parameters on
+    the server, so arrays can travel in binary (`%b`): Django's client-side binding quotes
+    every array element in Python, which costs more than the statement itself."""
+    import psycopg
+
+    connection.ensure_connection()
+    return psycopg.Cursor(connection.connection)
+
+
+def _upsert_samples(rows: list[dict[str, Any]]) -> None:
+    table = AgentSample._meta.db_table
+    latest = [
+        f"{column} = CASE WHEN EXCLUDED.last_sent_at >= {table}.last_sent_at "
+        f"THEN EXCLUDED.{column} ELSE {table}.{column} END"
+        for column in SAMPLE_LATEST
+    ]
+    # Every expression reads the row as it was before this statement (SQL semantics).
+    assignments = ", ".join(
+        [
+            *latest,
+            *(_greatest(column, table) for column in SAMPLE_GREATEST),
+            *(_least(column, table) for column in SAMPLE_LEAST),
+        ]
+    )
+    insert = f"INSERT INTO {table} ({', '.join(SAMPLE_COLUMNS)})"
+    on_conflict = f"ON CONFLICT (agent_id, bucket_start) DO UPDATE SET {assignments}"
+    if connection.vendor == "postgresql":
+        # One array per column: a statement with a fixed, small number of parameters (a VALUES
+        # list of 500 rows has 15,500, and the driver's query parsing then dominates).
+        arrays = ", ".join(f"%b::{SAMPLE_TYPES[column]}[]" for column in SAMPLE_COLUMNS)
+        with _server_binding_cursor() as cursor:
+            cursor.execute(
+                f"{insert} SELECT * FROM UNNEST({arrays}) {on_conflict}",  # noqa: S608
+                [[row[column] for row in rows] for column in SAMPLE_COLUMNS],
+            )
+        return
+    placeholders = "(" + ", ".join(["%s"] * len(SAMPLE_COLUMNS)) + ")"
+    chunk_rows = 500
+    with connection.cursor() as cursor:
+        for start in range(0, len(rows), chunk_rows):
+            chunk = rows[start : start + chunk_rows]
+            # Only constant identifiers are formatted in; every value is a parameter.
+            values = ", ".join([placeholders] * len(chunk))
+            sql = f"{insert} VALUES {values} {on_conflict}"
+            params = [row[column] for row in chunk for column in SAMPLE_COLUMNS]
+            cursor.execute(sql, params)
+
+
+AGENT_UPDATE_COLUMNS = (
+    "state",
+    "detail",
+    "endpoint",
+    "loaded_version_id",
+    "loaded_digest",
+    "figures",
+    "last_seen",
+    "last_sent_at",
+    "last_seq",
+    "updated_at",
+)
+
+
+# PostgreSQL types of AGENT_UPDATE_COLUMNS, for the VALUES list of the batched UPDATE.
+AGENT_UPDATE_TYPES = (
+    "varchar",
+    "text",
+    "varchar",
+    "bigint",
+    "varchar",
+    "jsonb",
+    "timestamptz",
+    "timestamptz",
+    "bigint",
+    "timestamptz",
+)
+
+
+def _update_agents(agents: list[Agent]) -> None:
+    """Write the agents' new state in one statement on PostgreSQL (UPDATE ... FROM VALUES),
+    one parametrised UPDATE per agent elsewhere (the demo's SQLite). The ORM's bulk_update
+    builds CASE expressions that cost seconds per 500 rows."""
+    table = Agent._meta.db_table
+    rows = [
+        (
+            agent.state,
+            agent.detail,
+            agent.endpoint,
+            agent.loaded_version_id,
+            agent.loaded_digest,
+            json.dumps(agent.figures),
+            agent.last_seen,
+            agent.last_sent_at,
+            agent.last_seq,
+            agent.updated_at,
+            agent.pk,
+        )
+        for agent in agents
+    ]
+    if connection.vendor == "postgresql":
+        # One array per column (see _upsert_samples).
+        arrays = ", ".join(f"%b::{kind}[]" for kind in ("bigint", *AGENT_UPDATE_TYPES))
+        names = ", ".join(("id", *AGENT_UPDATE_COLUMNS))
+        assignments = ", ".join(f"{column} = v.{column}" for column in AGENT_UPDATE_COLUMNS)
+        columns = [list(column) for column in zip(*rows, strict=True)]
+        with _server_binding_cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {table} AS a SET {assignments} FROM UNNEST({arrays}) "  # noqa: S608
+                f"AS v({names}) WHERE a.id = v.id",
+                [columns[-1], *columns[:-1]],
+            )
+        return
+    with connection.cursor() as cursor:
+        assignments = ", ".join(f"{column} = %s" for column in AGENT_UPDATE_COLUMNS)
+        cursor.executemany(f"UPDATE {table} SET {assignments} WHERE id = %s", rows)  # noqa: S608
+
+
+def _lock_agents(names: set[str]) -> dict[str, Agent]:
+    """The named agents, locked in id order (so concurrent ingest processes cannot deadlock),
+    with only the columns decided on: this runs for every batch."""
+    table = Agent._meta.db_table
+    in_names = ", ".join(["%s"] * len(names))
+    # SQLite has no row locks; its writes are serialised by the database lock instead.
+    for_update = " FOR UPDATE" if connection.features.has_select_for_update else ""
+    query = Agent.objects.raw(
+        f"SELECT id, name, state, last_seen, last_sent_at FROM {table} "  # noqa: S608
+        f"WHERE name IN ({in_names}) ORDER BY id{for_update}",
+        sorted(names),
+    )
+    return {agent.name: agent for agent in query}
+
+
+@transaction.atomic
+def heartbeats_apply(
+    *, received: Sequence[ReceivedHeartbeat], now: datetime | None = None
+) -> HeartbeatBatchOutcome:
+    """Apply a batch of heartbeats: each agent's latest state and figures, and the rollups.
+
+    Idempotent and order-safe (see the module docstring). Heartbeats of agents that never
+    registered are skipped and reported in `unknown_agents`.
+    """
+    now = now or timezone.now()
+    lost_after = timedelta(seconds=settings.FLEET_LOST_AFTER_S)
+    outcome = HeartbeatBatchOutcome()
+    names = {item.heartbeat.agent for item in received}
+    agents = _lock_agents(names)
+    outcome.unknown_agents = names - set(agents)
+    version_ids = {item.heartbeat.version_id for item in received if item.heartbeat.version_id}
+    existing_versions = set(
+        ModelVersion.objects.filter(pk__in=version_ids).values_list("pk", flat=True)
+    )
+    samples: dict[tuple[int, datetime], dict[str, Any]] = {}
+    latest: dict[str, ReceivedHeartbeat] = {}
+    for item in received:
+        heartbeat = item.heartbeat
+        agent = agents.get(heartbeat.agent)
+        if agent is None:
+            continue
+        outcome.applied += 1
+        sent_at = datetime.fromtimestamp(heartbeat.sent_at, tz=UTC)
+        key = (agent.pk, _bucket_start(sent_at))
+        row = samples.setdefault(key, {"agent_id": key[0], "bucket_start": key[1]})
+        _merge_sample(row, heartbeat, sent_at)
+        best = latest.get(heartbeat.agent)
+        if best is None or heartbeat.sent_at > best.heartbeat.sent_at:
+            latest[heartbeat.agent] = item
+    changed: list[Agent] = []
+    for name, item in latest.items():
+        agent, heartbeat = agents[name], item.heartbeat
+        sent_at = datetime.fromtimestamp(heartbeat.sent_at, tz=UTC)
+        if agent.last_sent_at is not None and sent_at <= agent.last_sent_at:
+            continue  # an older heartbeat than the one applied already
+        received_at = min(item.received_at, now)
+        is_stale = received_at < now - lost_after
+        old_state = agent.state
+        if not (old_state == AgentState.LOST and is_stale):
+            agent.state = heartbeat.state.value
+            agent.detail = heartbeat.detail
+        agent.endpoint = heartbeat.endpoint
+        agent.loaded_version_id = (
+            heartbeat.version_id if heartbeat.version_id in existing_versions else None
+        )
+        agent.loaded_digest = heartbeat.version_digest
+        agent.figures = heartbeat.figures()
+        agent.last_seen = max(agent.last_seen or received_at, received_at)
+        agent.last_sent_at = sent_at
+        agent.last_seq = heartbeat.seq
+        agent.updated_at = now
+        changed.append(agent)
+        outcome.figures[name] = compact_figures(heartbeat)
+        if agent.state != old_state:
+            outcome.state_events.append({**agent_event_payload(agent), "previous": old_state})
+    if changed:
+        _update_agents(changed)
+    if samples:
+        _upsert_samples([samples[key] for key in sorted(samples)])
+    return outcome
+
+
+# Lost agents and retention.
+
+
+def agents_mark_lost(*, now: datetime | None = None) -> list[dict[str, Any]]:
+    """Mark `lost` every agent not heard of for FLEET_LOST_AFTER_S; returns the events.
+
+    Rows another ingest process is updating are skipped (it will decide them next time).
+    """
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=settings.FLEET_LOST_AFTER_S)
+    events = []
+    with transaction.atomic():
+        agents = list(
+            Agent.objects.select_for_update(skip_locked=True)
+            .filter(last_seen__lt=cutoff)
+            .exclude(state=AgentState.LOST)
+            .order_by("id")
+        )
+        for agent in agents:
+            before = agent.snapshot()
+            seconds = (now - agent.last_seen).total_seconds() if agent.last_seen else 0.0
+            agent.state = AgentState.LOST
+            agent.detail = f"no heartbeat for {seconds:.1f}s (was {before['state']})"
+            agent.save(update_fields=["state", "detail", "updated_at"])
+            audit_event_record(
+                actor=None,
+                action="agent.lost",
+                object_type="agent",
+                object_id=agent.name,
+                object_repr=agent.name,
+                before=before,
+                after=agent.snapshot(),
+                reason=agent.detail,
+            )
+            events.append({**agent_event_payload(agent), "previous": before["state"]})
+    return events
+
+
+def agent_samples_prune(*, now: datetime | None = None) -> int:
+    """Delete rollups older than FLEET_SAMPLE_RETENTION_S; returns how many."""
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=settings.FLEET_SAMPLE_RETENTION_S)
+    deleted, _ = AgentSample.objects.filter(bucket_start__lt=cutoff).delete()
+    return deleted

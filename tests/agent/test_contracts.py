@@ -1,0 +1,92 @@
+"""The stream contracts: what each side writes is what the other reads, and bad entries are
+refused with a message naming the field."""
+
+import json
+
+import pytest
+
+from contracts.streams import (
+    CommandKind,
+    CommandResult,
+    CommandStatus,
+    ContractError,
+    new_command,
+    parse_command,
+    parse_command_result,
+    parse_heartbeat,
+)
+from tests.fleet.support import heartbeat
+
+
+def test_heartbeat_round_trip_with_missing_latencies() -> None:
+    beat = heartbeat(ttft_p50_s=None, joules_per_token=None, version_id=7, version_digest="a" * 64)
+    assert parse_heartbeat(beat.to_fields()) == beat
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"v": "2"}, "v: unsupported schema version '2'"),
+        ({"agent": "Not A Name"}, "agent: 'Not A Name' must be"),
+        ({"seq": "-1"}, "seq: must be >= 0, got -1"),
+        ({"sent_at": "nan"}, "sent_at: must be finite"),
+        ({"state": "napping"}, "state: 'napping' is not one of idle, loading, warming"),
+        ({"endpoint": "ftp://x"}, "endpoint: 'ftp://x' is not an http(s) URL"),
+        ({"version_digest": "abc"}, "version_digest: must be 64 lowercase hex"),
+        ({"energy_source": "guess"}, "energy_source: 'guess' is not one of nvml, rapl, estimate"),
+        ({"figures": "[]"}, "figures: must be a JSON object"),
+    ],
+)
+def test_bad_heartbeat_fields_are_named(change: dict, message: str) -> None:
+    with pytest.raises(ContractError) as error:
+        parse_heartbeat({**heartbeat().to_fields(), **change})
+    assert str(error.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"running": -1}, "figures.running: must be an integer >= 0, got -1"),
+        ({"kv_cache_usage": 1.5}, "figures.kv_cache_usage: must be <= 1.0, got 1.5"),
+        ({"power_watts": "high"}, "figures.power_watts: not a number: 'high'"),
+        ({"energy_joules": None}, "figures.energy_joules: not a number"),
+    ],
+)
+def test_bad_figures_are_named(change: dict, message: str) -> None:
+    fields = heartbeat().to_fields()
+    figures = {**json.loads(fields["figures"]), **change}
+    with pytest.raises(ContractError) as error:
+        parse_heartbeat({**fields, "figures": json.dumps(figures)})
+    assert str(error.value).startswith(message)
+
+
+def test_missing_figure_is_named() -> None:
+    fields = heartbeat().to_fields()
+    figures = json.loads(fields["figures"])
+    del figures["power_watts"]
+    with pytest.raises(ContractError, match=r"^figures.power_watts: missing"):
+        parse_heartbeat({**fields, "figures": json.dumps(figures)})
+
+
+def test_commands_and_results_round_trip() -> None:
+    command = new_command(CommandKind.FAULTS, {"latency_ms_per_token": 5, "error_rate": 0.5})
+    assert parse_command(command.to_fields()) == command
+    result = CommandResult(
+        command_id=command.command_id,
+        agent="agent-1",
+        kind="faults",
+        status=CommandStatus.SUCCEEDED,
+        detail="ok",
+        finished_at=1.5,
+        version_id=3,
+    )
+    assert parse_command_result(result.to_fields()) == result
+
+
+def test_a_load_without_a_signature_is_refused_before_anything_runs() -> None:
+    command = new_command(CommandKind.LOAD, {"version_id": 1, "digest": "b" * 64})
+    with pytest.raises(ContractError, match=r"^payload.size_bytes: missing"):
+        parse_command(command.to_fields())
+    faults = new_command(CommandKind.FAULTS, {"latency_ms_per_token": 1, "error_rate": 3})
+    with pytest.raises(ContractError, match=r"^payload.error_rate: must be within 0..1"):
+        parse_command(faults.to_fields())

@@ -1,0 +1,319 @@
+"""Heartbeats and command results through the real stream consumer into PostgreSQL."""
+
+import json
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.utils import timezone
+from prometheus_client import REGISTRY
+
+from contracts.streams import (
+    HEARTBEATS_STREAM,
+    INGEST_GROUP,
+    RESULTS_STREAM,
+    AgentState,
+    CommandResult,
+    CommandStatus,
+)
+from controlplane.audit.models import AuditEvent
+from controlplane.core.streams import StreamIngestor
+from controlplane.fleet import selectors, services
+from controlplane.fleet.ingest import FleetTicker, LiveFleet, stream_handlers
+from controlplane.fleet.models import Agent, AgentCommand, AgentSample
+from tests.fleet.support import heartbeat, publish, register
+
+pytestmark = pytest.mark.django_db
+
+
+def make_ingestor(redis_client, consumer: str = "c1", **options) -> StreamIngestor:
+    ingestor = StreamIngestor(
+        client=redis_client,
+        group=INGEST_GROUP,
+        consumer=consumer,
+        handlers=stream_handlers(),
+        block_ms=10,
+        **options,
+    )
+    ingestor.ensure_groups()
+    return ingestor
+
+
+def drain(ingestor: StreamIngestor) -> None:
+    """Run until a read finds nothing (the first read is of the consumer's own pending)."""
+    ingestor.run_once()
+    while ingestor.run_once():
+        pass
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def pending(redis_client, stream: str = HEARTBEATS_STREAM) -> int:
+    return redis_client.xpending(stream, INGEST_GROUP)["pending"]
+
+
+def test_heartbeat_updates_the_agent_and_its_rollup(redis_client, users) -> None:
+    register(actor=users["agent"])
+    ingestor = make_ingestor(redis_client)
+    sent_at = datetime(2030, 1, 1, 12, 0, 3, tzinfo=UTC).timestamp()
+    publish(redis_client, heartbeat(seq=1, sent_at=sent_at))
+    publish(
+        redis_client,
+        heartbeat(seq=2, sent_at=sent_at + 1, running=3, kv_cache_usage=0.5, ttft_p95_s=None),
+    )
+    drain(ingestor)
+
+    agent = Agent.objects.get(name="agent-1")
+    assert agent.state == AgentState.READY
+    assert agent.endpoint == "http://127.0.0.1:9100"
+    assert agent.last_seq == 2
+    assert agent.figures["running"] == 3
+    assert agent.figures["energy_joules"] == 80.0
+    assert agent.figures["energy_source"] == "estimate"
+    assert agent.last_sent_at == datetime.fromtimestamp(sent_at + 1, tz=UTC)
+    sample = AgentSample.objects.get(agent=agent)
+    assert sample.bucket_start == datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC)
+    assert (sample.running_max, sample.kv_cache_usage_max) == (3, 0.5)
+    assert sample.ttft_p95_max_s == 0.08  # a missing value does not erase a peak
+    assert (sample.energy_joules_min, sample.energy_joules_max) == (40.0, 80.0)
+    assert (sample.generated_tokens_total_min, sample.generated_tokens_total_max) == (20, 40)
+    assert pending(redis_client) == 0
+
+
+def test_redelivered_and_reordered_heartbeats_change_nothing(redis_client, users) -> None:
+    agent = register(actor=users["agent"])
+    handler = stream_handlers()[HEARTBEATS_STREAM]
+    sent_at = datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC).timestamp()
+    now_id = f"{int(time.time() * 1000)}-0"
+    older = handler.parse(now_id, heartbeat(seq=1, sent_at=sent_at, running=5).to_fields())
+    newer = handler.parse(
+        now_id,
+        heartbeat(seq=2, sent_at=sent_at + 1, state=AgentState.DRAINING, running=1).to_fields(),
+    )
+    handler.apply([newer])
+    handler.apply([older])  # late: must not roll the agent back
+    handler.apply([older, newer])  # delivered again
+    agent.refresh_from_db()
+    assert agent.state == AgentState.DRAINING
+    assert agent.last_seq == 2
+    sample = AgentSample.objects.get(agent=agent)
+    assert sample.state == AgentState.DRAINING  # latest by send time
+    assert sample.running_max == 5
+    assert (sample.energy_joules_min, sample.energy_joules_max) == (40.0, 80.0)
+    assert sample.first_sent_at == datetime.fromtimestamp(sent_at, tz=UTC)
+
+
+def test_malformed_entries_are_counted_and_dropped_without_stopping_ingest(
+    redis_client, users
+) -> None:
+    register(actor=users["agent"])
+    ingestor = make_ingestor(redis_client)
+    before = metric("ingest_malformed_entries_total", stream=HEARTBEATS_STREAM)
+    good = heartbeat(seq=7)
+    redis_client.xadd(HEARTBEATS_STREAM, {"v": "1", "agent": "agent-1"})  # fields missing
+    figures = json.loads(good.to_fields()["figures"])
+    too_full = json.dumps({**figures, "kv_cache_usage": 1.5})
+    redis_client.xadd(HEARTBEATS_STREAM, {**good.to_fields(), "figures": too_full})
+    redis_client.xadd(HEARTBEATS_STREAM, {**good.to_fields(), "figures": "{not json"})
+    redis_client.xadd(HEARTBEATS_STREAM, {**good.to_fields(), "state": "sleeping"})
+    redis_client.xadd(HEARTBEATS_STREAM, {**good.to_fields(), "v": "9"})
+    publish(redis_client, good)
+    drain(ingestor)
+    assert metric("ingest_malformed_entries_total", stream=HEARTBEATS_STREAM) == before + 5
+    assert Agent.objects.get(name="agent-1").last_seq == 7
+    assert pending(redis_client) == 0
+
+
+def test_heartbeats_of_unregistered_agents_are_dropped(redis_client, users) -> None:
+    ingestor = make_ingestor(redis_client)
+    before = metric("fleet_heartbeats_unknown_agent_total")
+    publish(redis_client, heartbeat(agent="stranger"))
+    drain(ingestor)
+    assert not Agent.objects.exists()
+    assert AgentSample.objects.count() == 0
+    assert metric("fleet_heartbeats_unknown_agent_total") == before + 1
+    assert pending(redis_client) == 0
+
+
+def test_entries_left_pending_by_a_dead_consumer_are_claimed(redis_client, users) -> None:
+    register(actor=users["agent"])
+    make_ingestor(redis_client)  # creates the group
+    publish(redis_client, heartbeat(seq=3))
+    # A consumer reads the entry and dies before acknowledging it.
+    redis_client.xreadgroup(INGEST_GROUP, "dead", {HEARTBEATS_STREAM: ">"}, count=10)
+    assert pending(redis_client) == 1
+    time.sleep(0.2)
+    survivor = make_ingestor(redis_client, consumer="survivor", claim_idle_ms=100)
+    drain(survivor)
+    assert Agent.objects.get(name="agent-1").last_seq == 3
+    assert pending(redis_client) == 0
+
+
+def test_a_silent_agent_is_marked_lost_audited_and_announced(users, live_group) -> None:
+    register(actor=users["agent"])
+    register("agent-2", actor=users["agent"])
+    now = timezone.now()
+    Agent.objects.filter(name="agent-1").update(
+        state="ready", last_seen=now - timedelta(seconds=3.5)
+    )
+    Agent.objects.filter(name="agent-2").update(state="ready", last_seen=now - timedelta(seconds=1))
+    live_group.events()  # registration events
+    events = services.agents_mark_lost(now=now)
+    assert [event["agent"] for event in events] == ["agent-1"]
+    assert Agent.objects.get(name="agent-1").state == "lost"
+    assert Agent.objects.get(name="agent-2").state == AgentState.READY
+    audit = AuditEvent.objects.get(action="agent.lost")
+    assert (audit.object_id, audit.actor_name) == ("agent-1", "system")
+    assert audit.before["state"] == "ready"
+    assert services.agents_mark_lost(now=now) == []  # once
+    # The ticker publishes what it marks.
+    Agent.objects.filter(name="agent-2").update(last_seen=now - timedelta(seconds=10))
+    ticker = FleetTicker(LiveFleet())
+    ticker(True)  # starts watching: nothing is judged yet
+    assert Agent.objects.get(name="agent-2").state == AgentState.READY
+    ticker._watching_since -= 10  # watched long enough
+    ticker(True)
+    assert Agent.objects.get(name="agent-2").state == "lost"
+    assert live_group.receive() == {
+        "event": "agent.state",
+        "payload": {
+            "agent": "agent-2",
+            "state": "lost",
+            "previous": "ready",
+            "detail": Agent.objects.get(name="agent-2").detail,
+            "endpoint": "",
+            "loaded_version_id": None,
+            "last_seen": Agent.objects.get(name="agent-2").last_seen.isoformat(),
+        },
+    }
+
+
+def test_a_lost_agent_that_heartbeats_again_comes_back(redis_client, users, live_group) -> None:
+    register(actor=users["agent"])
+    Agent.objects.filter(name="agent-1").update(state="lost")
+    live_group.events()
+    ingestor = make_ingestor(redis_client)
+    publish(redis_client, heartbeat(seq=1))
+    drain(ingestor)
+    assert Agent.objects.get(name="agent-1").state == AgentState.READY
+    event = live_group.receive()
+    assert (event["event"], event["payload"]["state"], event["payload"]["previous"]) == (
+        "agent.state",
+        "ready",
+        "lost",
+    )
+
+
+def test_ticker_publishes_live_figures(redis_client, users, live_group) -> None:
+    register(actor=users["agent"])
+    live = LiveFleet()
+    handler = stream_handlers()[HEARTBEATS_STREAM]
+    handler.live = live
+    entry_id = publish(redis_client, heartbeat(seq=4, tokens_per_second=33.5))
+    handler.apply([handler.parse(entry_id, heartbeat(seq=4, tokens_per_second=33.5).to_fields())])
+    live_group.events()
+    FleetTicker(live)(True)
+    event = live_group.receive()
+    assert event["event"] == "fleet.figures"
+    assert event["payload"]["truncated"] is False
+    assert event["payload"]["agents"]["agent-1"]["tokens_per_second"] == 33.5
+    assert live.figures == {}
+
+
+def test_history_derives_sums_from_cumulative_totals(users) -> None:
+    agent = register(actor=users["agent"])
+    handler = stream_handlers()[HEARTBEATS_STREAM]
+    start = datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC).timestamp()
+    entry_id = f"{int(time.time() * 1000)}-0"
+    items = []
+    # 25 heartbeats, one a second: 40 J and 20 tokens each.
+    for second in range(25):
+        beat = heartbeat(seq=second + 1, sent_at=start + second)
+        items.append(handler.parse(entry_id, beat.to_fields()))
+    handler.apply(items)
+    history = selectors.agent_history(
+        agent=agent,
+        since=datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC),
+        until=datetime(2030, 1, 1, 12, 1, 0, tzinfo=UTC),
+    )
+    assert [bucket["bucket_start"].second for bucket in history] == [0, 10, 20]
+    # The first bucket has no predecessor: 10 heartbeats cover 9 intervals.
+    assert [bucket["energy_joules"] for bucket in history] == [360.0, 400.0, 200.0]
+    assert [bucket["generated_tokens"] for bucket in history] == [180, 200, 100]
+    assert history[1]["joules_per_token"] == 2.0
+    assert history[1]["tokens_per_second"] == 20.0
+    assert history[1]["requests_ok"] == 20
+
+
+def test_command_results_move_the_command_forward_only(redis_client, users) -> None:
+    agent = register(actor=users["agent"])
+    command = AgentCommand.objects.create(command_id="a" * 32, agent=agent, kind="drain")
+    ingestor = make_ingestor(redis_client)
+
+    def result(status: CommandStatus, detail: str = "", is_replay: bool = False) -> None:
+        entry = CommandResult(
+            command_id=command.command_id,
+            agent="agent-1",
+            kind="drain",
+            status=status,
+            detail=detail,
+            finished_at=time.time(),
+            is_replay=is_replay,
+        )
+        redis_client.xadd(RESULTS_STREAM, entry.to_fields())
+
+    result(CommandStatus.ACCEPTED)
+    result(CommandStatus.SUCCEEDED, "drained")
+    result(CommandStatus.ACCEPTED)  # late duplicate
+    result(CommandStatus.SUCCEEDED, "drained", is_replay=True)
+    drain(ingestor)
+    command.refresh_from_db()
+    assert (command.status, command.detail) == ("succeeded", "drained")
+    assert command.accepted_at is not None
+    assert command.finished_at is not None
+    assert pending(redis_client, RESULTS_STREAM) == 0
+
+
+def test_rollups_past_retention_are_pruned(users, settings) -> None:
+    agent = register(actor=users["agent"])
+    handler = stream_handlers()[HEARTBEATS_STREAM]
+    entry_id = f"{int(time.time() * 1000)}-0"
+    old = time.time() - 3600
+    handler.apply(
+        [
+            handler.parse(entry_id, heartbeat(seq=1, sent_at=old).to_fields()),
+            handler.parse(entry_id, heartbeat(seq=2).to_fields()),
+        ]
+    )
+    settings.FLEET_SAMPLE_RETENTION_S = 1800
+    assert services.agent_samples_prune() == 1
+    assert AgentSample.objects.filter(agent=agent).count() == 1
+
+
+def test_heartbeat_fields_are_flat_strings_that_round_trip() -> None:
+    beat = heartbeat(seq=9, ttft_p50_s=None, joules_per_token=None)
+    fields = beat.to_fields()
+    assert all(isinstance(value, str) for value in fields.values())
+    assert json.dumps(fields)  # flat
+    handler = stream_handlers()[HEARTBEATS_STREAM]
+    received = handler.parse("1700000000000-0", fields)
+    assert received.heartbeat == beat
+    assert received.received_at == datetime(2023, 11, 14, 22, 13, 20, tzinfo=UTC)
+
+
+def test_ticks_run_under_load_and_say_whether_ingest_is_caught_up(redis_client, users) -> None:
+    register(actor=users["agent"])
+    calls: list[bool] = []
+    ingestor = make_ingestor(redis_client, batch_size=2, on_tick=calls.append, tick_every_s=0)
+    for seq in range(1, 4):
+        publish(redis_client, heartbeat(seq=seq))
+    ingestor.run_once()  # own pending: nothing
+    ingestor.tick()
+    ingestor.run_once()  # a full batch: more is waiting
+    ingestor.tick()
+    ingestor.run_once()  # the last entry
+    ingestor.tick()
+    assert calls == [False, False, True]
+    assert Agent.objects.get(name="agent-1").last_seq == 3
