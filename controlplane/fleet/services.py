@@ -209,8 +209,11 @@ def agent_command_send(
 
     The stream entry is added last inside the transaction: if Redis refuses it nothing is
     recorded (503); the agent answers on `agent:results`, which ingest applies.
+    `actor=None` is the control plane itself (the rollouts reconciler); views always
+    pass the requesting user.
     """
-    if not access.can_command_agents(actor):
+    is_system = actor is None
+    if not is_system and not access.can_command_agents(actor):
         raise Forbidden("Only release managers and on-call engineers command agents.")
     if kind not in CommandKind.values:
         raise DomainError("invalid", f"Unknown command {kind!r}.", fields={"kind": [kind]})
