@@ -60,6 +60,7 @@ INSTALLED_APPS = [
     "controlplane.rollouts",
     "controlplane.gateway",
     "controlplane.dashboard",
+    "controlplane.demo",
 ]
 
 MIDDLEWARE = [

@@ -5,7 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export DEBUG="${DEBUG:-1}"
-export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/0}"
+# The demo keeps to a Redis database of its own, so that it can start clean.
+DEMO_OWNS_REDIS=0
+if [ -z "${REDIS_URL:-}" ]; then DEMO_OWNS_REDIS=1; fi
+export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/3}"
 export WEB_PORT="${WEB_PORT:-8000}"
 export DEMO_DIR="${DEMO_DIR:-$PWD/.demo}"
 export LOG_FORMAT="${LOG_FORMAT:-plain}"
@@ -28,6 +31,13 @@ Start one, then run 'make demo' again:
 or point REDIS_URL at an existing server (e.g. REDIS_URL=redis://host:6379/0 make demo).
 MSG
   exit 1
+fi
+
+# A new demo database must not meet streams, routing tables and queued tasks left
+# in Redis by an earlier demo whose database was removed.
+if [ -z "${DATABASE_URL:-}" ] && [ ! -f "$DEMO_DIR/controlplane.sqlite3" ] && [ "$DEMO_OWNS_REDIS" = 1 ]; then
+  echo "demo: new demo database; emptying the demo's Redis database ($REDIS_URL)"
+  .venv/bin/python -c "import redis, sys; redis.Redis.from_url(sys.argv[1]).flushdb()" "$REDIS_URL"
 fi
 
 echo "demo: migrating ${DATABASE_URL:-the SQLite file in $DEMO_DIR}"

@@ -27,6 +27,8 @@ from controlplane.accounts.roles import Role
 from controlplane.accounts.tokens import secret_hash
 from controlplane.registry import services as registry_services
 from controlplane.registry.models import Model, ModelVersion, SigningKey, Task, VersionStatus
+from controlplane.rollouts import services as rollout_services
+from controlplane.rollouts.models import Deployment
 from controlplane.tenants import services as tenant_services
 from controlplane.tenants.models import ApiKey, Tenant
 
@@ -43,6 +45,7 @@ DEMO_USERS = [
     ("globex-member", "globex-demo-password", Role.TENANT_MEMBER, "globex"),
     ("agent", None, Role.AGENT, None),
 ]
+DEMO_DEPLOYMENT = "smollm2"
 DEMO_TENANTS = [
     ("acme", "Acme Corporation", 600, 200_000),
     ("globex", "Globex Corporation", 300, 100_000),
@@ -135,7 +138,18 @@ class Command(BaseCommand):
             "signing_key_id": SIGNING_KEY_ID,
         }
         _write_private(credentials_path, credentials)
+        # The load generator's tenant -> key map for the demo traffic.
+        _write_private(demo_dir / "tenant_keys.json", api_keys)
+        self._deployment(ModelVersion.objects.get(pk=fp32.pk))  # re-read: now verified
         self._print(credentials, credentials_path)
+
+    def _deployment(self, stable: ModelVersion) -> None:
+        """The chat deployment tenants call as `model="smollm2"`, serving float32 as stable."""
+        if Deployment.objects.filter(name=DEMO_DEPLOYMENT).exists():
+            return
+        rollout_services.deployment_create(
+            actor=None, name=DEMO_DEPLOYMENT, stable_version=stable, reason="demo seed"
+        )
 
     # Accounts and tenants.
 
