@@ -14,16 +14,22 @@ class ReasonForm(forms.Form):
 
 
 class AgentCommandForm(forms.Form):
-    KINDS = [("drain", "Drain"), ("load", "Load version")]
+    KINDS = [("drain", "Drain"), ("load", "Load version"), ("faults", "Inject faults (drill)")]
 
     kind = forms.ChoiceField(choices=KINDS)
     version_id = forms.IntegerField(min_value=1, required=False)
+    latency_ms_per_token = forms.FloatField(min_value=0, max_value=10_000, required=False)
+    error_rate = forms.FloatField(min_value=0, max_value=1, required=False)
     reason = forms.CharField(max_length=2000, strip=True)
 
     def clean(self) -> dict:
         data = super().clean() or {}
         if data.get("kind") == "load" and not data.get("version_id"):
             self.add_error("version_id", "Choose the version to load.")
+        if data.get("kind") == "faults":
+            for name in ("latency_ms_per_token", "error_rate"):
+                if data.get(name) is None:
+                    self.add_error(name, "Required for a drill.")
         return data
 
 

@@ -342,6 +342,8 @@ def agent_command(request: HttpRequest, agent_name: str) -> HttpResponse:
             agent_name=agent_name,
             kind=data["kind"],
             version_id=data["version_id"],
+            latency_ms_per_token=data["latency_ms_per_token"],
+            error_rate=data["error_rate"],
             reason=data["reason"],
         )
     except DomainError as error:

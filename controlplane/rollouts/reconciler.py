@@ -220,12 +220,18 @@ def _converge_agents(
         for a in agents
         if a.state != AgentState.LOST and a.last_seen and a.last_seen >= fresh_after
     ]
-    in_flight = set(
+    in_flight_commands = list(
         AgentCommand.objects.filter(
             status__in=IN_FLIGHT_COMMANDS,
             created_at__gte=timezone.now() - timedelta(seconds=settings.ROLLOUTS_COMMAND_WAIT_S),
-        ).values_list("agent_id", flat=True)
+        ).values_list("agent_id", "kind", "version_id")
     )
+    in_flight = {agent_id for agent_id, _, _ in in_flight_commands}
+    # A version whose load is under way counts as served: loading it twice would take a
+    # second agent that the next version (the canary) needs.
+    loading = {
+        version_id for _, kind, version_id in in_flight_commands if kind == CommandKind.LOAD
+    }
 
     def busy(agent: Agent) -> bool:
         return agent.pk in in_flight or agent.state in {AgentState.LOADING, AgentState.WARMING}
@@ -234,7 +240,7 @@ def _converge_agents(
         serving = [
             a for a in alive if a.loaded_version_id == version_id and a.state != AgentState.DRAINING
         ]
-        if serving:
+        if serving or version_id in loading:
             continue
         spare = [
             a

@@ -5,6 +5,7 @@ from django.test import Client
 
 from controlplane.accounts.roles import Role
 from controlplane.audit.models import AuditEvent
+from controlplane.fleet.models import AgentCommand
 from controlplane.rollouts.models import Rollout, RolloutState
 from controlplane.tenants.models import ApiKey
 from tests.dashboard.conftest import STAFF_ROLES
@@ -228,6 +229,35 @@ def test_on_call_drains_an_agent(world, client_for, redis_client) -> None:
     event = AuditEvent.objects.get(action="agent.command.drain")
     assert (event.object_id, event.reason) == ("agent-1", "maintenance")
     assert redis_client.xlen("agent:agent-1:commands") == 1
+
+
+def test_on_call_starts_a_drill_on_an_agent(world, client_for, redis_client) -> None:
+    response = client_for(Role.ON_CALL).post(
+        "/fleet/agent-1/command/",
+        {
+            "kind": "faults",
+            "latency_ms_per_token": "150",
+            "error_rate": "0.25",
+            "reason": "rollback drill",
+        },
+    )
+    assert response.status_code == 302
+    command = AgentCommand.objects.get(agent__name="agent-1", kind="faults")
+    assert command.payload == {"latency_ms_per_token": 150.0, "error_rate": 0.25}
+    assert (
+        AuditEvent.objects.filter(action="agent.command.faults", reason="rollback drill").count()
+        == 1
+    )
+    assert redis_client.xlen("agent:agent-1:commands") == 1
+
+
+def test_drill_without_figures_changes_nothing(world, client_for, redis_client) -> None:
+    response = client_for(Role.ON_CALL).post(
+        "/fleet/agent-1/command/", {"kind": "faults", "error_rate": "0.5", "reason": "drill"}
+    )
+    assert response.status_code == 302
+    assert not AgentCommand.objects.filter(kind="faults").exists()
+    assert redis_client.xlen("agent:agent-1:commands") == 0
 
 
 def test_audit_filters(world, client_for) -> None:
