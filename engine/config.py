@@ -1,0 +1,93 @@
+"""Configuration: the model's shape and the engine's limits, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("float32", "bfloat16", "int8")
+
+
+@dataclass(slots=True)
+class LlamaConfig:
+    """Shape of a Llama-family decoder, read from GGUF metadata or a HF config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a positive multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"head_dim must be positive and even, got {self.head_dim}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything `python -m engine serve` can set; defaults suit one CPU socket."""
+
+    model: str
+    dtype: str = "float32"
+    served_model_name: str = ""
+    device: str = "cpu"
+    threads: int = 0  # 0: leave torch's default
+    max_model_len: int = 0  # 0: min(4096, the model's context length)
+    block_size: int = 16
+    num_blocks: int = 0  # 0: derive from kv_cache_memory_mb
+    kv_cache_memory_mb: int = 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_queue: int = 256
+    enable_prefix_caching: bool = True
+    fault_latency_ms: float = 0.0
+    fault_error_rate: float = 0.0
+    embedding_batch_size: int = 32
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        positive = (
+            "block_size",
+            "kv_cache_memory_mb",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_queue",
+            "embedding_batch_size",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {self.num_blocks}")
+        if self.block_size > 256:
+            raise ValueError(f"block_size must be <= 256, got {self.block_size}")
+        validate_faults(self.fault_latency_ms, self.fault_error_rate)
+        if not self.served_model_name:
+            self.served_model_name = self.model
+
+
+def validate_faults(latency_ms_per_token: float, error_rate: float) -> None:
+    """Shared by the flags and the admin endpoint so both refuse the same values."""
+    if not latency_ms_per_token >= 0:
+        raise ValueError(f"latency_ms_per_token must be >= 0, got {latency_ms_per_token}")
+    if not 0 <= error_rate <= 1:
+        raise ValueError(f"error_rate must be in [0, 1], got {error_rate}")

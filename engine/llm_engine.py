@@ -1,0 +1,398 @@
+"""The engine: loads the model and runs the step loop in its own thread.
+
+Step loop (one iteration per forward pass):
+  1. take requests submitted and aborted since the last step (under a lock);
+  2. schedule: running sequences first, then admit waiting ones, within the token budget;
+  3. one forward pass over every scheduled token, sample for sequences that finished
+     their pending tokens;
+  4. append tokens, detokenize, check stop conditions, deliver outputs, free finished
+     sequences' blocks;
+  5. sleep on a condition variable when nothing is waiting or running (no CPU while idle).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, LlamaConfig, validate_faults
+from engine.loader import load_checkpoint, resolve_model_path
+from engine.metrics import EngineMetrics
+from engine.model_runner import ModelRunner
+from engine.models.llama import KVCache, LlamaModel
+from engine.sampler import sample
+from engine.scheduler import Scheduler
+from engine.sequence import SamplingParams, Sequence, SequenceStatus, TokenLogprob
+from engine.tokenizer import TextTokenizer
+
+logger = logging.getLogger("engine")
+
+
+class QueueFullError(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What a request gained in one step (deltas), delivered to its sink."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+Sink = Callable[[RequestOutput], None]
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def compute_dtype_for(dtype: str, device: torch.device) -> torch.dtype:
+    if device.type == "cuda" and dtype in ("bfloat16", "int8"):
+        return torch.bfloat16
+    # CPUs without bf16 matrix units multiply bf16 several times slower than fp32;
+    # weights stay in their storage dtype and are widened per matmul (models/layers.py).
+    return torch.float32
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.state = "loading"
+        self.device = torch.device(config.device) if config.device else pick_device()
+        self.metrics = EngineMetrics(config.served_model_name)
+        self.fault_latency_ms = config.fault_latency_ms
+        self.fault_error_rate = config.fault_error_rate
+        self._condition = threading.Condition()
+        self._submitted: list[Sequence] = []
+        self._aborted: list[str] = []
+        self._requests: dict[str, Sequence] = {}
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    # ---- loading -------------------------------------------------------------------
+    def load(self) -> None:
+        config = self.config
+        path = resolve_model_path(config.model)
+        started = time.monotonic()
+        checkpoint = load_checkpoint(path)
+        self.model_config: LlamaConfig = checkpoint.config
+        self.tokenizer = TextTokenizer(checkpoint.tokenizer_source)
+        self.eos_token_ids = frozenset(config.eos_token_ids or self.tokenizer.eos_token_ids)
+        model_limit = self.model_config.max_position_embeddings
+        if config.max_model_len == 0:
+            config.max_model_len = min(4096, model_limit)
+        elif config.max_model_len > model_limit:
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) exceeds the model's context "
+                f"length ({model_limit})"
+            )
+        self.compute_dtype = compute_dtype_for(config.dtype, self.device)
+        cache_dtype = torch.float32 if config.dtype == "float32" else torch.bfloat16
+        if self.device.type == "cuda":
+            cache_dtype = self.compute_dtype
+        if not config.num_blocks:
+            per_block = KVCache.bytes_per_token(self.model_config, cache_dtype) * config.block_size
+            config.num_blocks = max(1, config.kv_cache_memory_mb * 2**20 // per_block)
+        self.block_manager = BlockManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        usable = (config.num_blocks - self.block_manager.watermark_blocks) * config.block_size
+        if usable < config.max_model_len:
+            raise ValueError(
+                f"KV cache holds {usable} tokens ({config.num_blocks} blocks of "
+                f"{config.block_size}), fewer than max_model_len ({config.max_model_len}); "
+                "raise --num-blocks / --kv-cache-memory-mb or lower --max-model-len"
+            )
+        model = LlamaModel(
+            self.model_config, checkpoint.weights, config.dtype, self.device, self.compute_dtype
+        )
+        self.runner = ModelRunner(
+            model, self.model_config, config.num_blocks, config.block_size, cache_dtype, self.device
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.weight_bytes = sum(
+            p.numel() * p.element_size() for p in model.parameters() if p.dim() > 1
+        )
+        logger.info(
+            "loaded %s (%s, %s on %s) in %.1fs: %d KV blocks of %d tokens",
+            path.name, config.dtype, self.compute_dtype, self.device,
+            time.monotonic() - started, config.num_blocks, config.block_size,
+        )  # fmt: skip
+
+    def warm_up(self) -> None:
+        """One short generation outside the request path, so the first request is not slow."""
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        seq = Sequence(
+            token_ids=self.tokenizer.encode("Hello, warm up the kernels.")[:16] or [0],
+            params=params,
+        )
+        self.scheduler.add(seq)
+        while not seq.is_finished:
+            self._step(record=False)
+        self.block_manager.free(seq)
+
+    def start(self) -> None:
+        self.state = "ready"
+        self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._condition:
+            self._stopped = True
+            self._condition.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # ---- requests (any thread) -----------------------------------------------------
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, sink: Sink
+    ) -> Sequence:
+        seq = Sequence(token_ids=list(prompt_token_ids), params=params, request_id=request_id)
+        seq.sink = sink
+        with self._condition:
+            waiting = len(self._submitted) + len(self.scheduler.waiting)
+            if waiting >= self.config.max_queue:
+                raise QueueFullError(f"queue is full ({self.config.max_queue} waiting requests)")
+            self._requests[request_id] = seq
+            self._submitted.append(seq)
+            self._condition.notify()
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        with self._condition:
+            if request_id in self._requests:
+                self._aborted.append(request_id)
+                self._condition.notify()
+
+    def set_faults(self, latency_ms_per_token: float, error_rate: float) -> None:
+        validate_faults(latency_ms_per_token, error_rate)
+        self.fault_latency_ms = latency_ms_per_token
+        self.fault_error_rate = error_rate
+
+    # ---- the step loop (engine thread) ---------------------------------------------
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        if self.config.threads:
+            # OpenMP keeps the team size per thread; set it where the matmuls run.
+            torch.set_num_threads(self.config.threads)
+        while True:
+            with self._condition:
+                while not (self._submitted or self._aborted or self.scheduler.has_work):
+                    if self._stopped:
+                        return
+                    self._condition.wait()  # idle: blocked, no CPU used
+                if self._stopped:
+                    return
+                submitted, self._submitted = self._submitted, []
+                aborted, self._aborted = self._aborted, []
+            for seq in submitted:
+                self.scheduler.add(seq)
+            for request_id in aborted:
+                aborted_seq = self._requests.get(request_id)
+                if aborted_seq is not None and not aborted_seq.is_finished:
+                    self._finish(aborted_seq, "abort")
+            if self.scheduler.has_work:
+                try:
+                    self._step()
+                except Exception as error:  # a bug must fail requests, not hang them
+                    logger.exception("engine step failed")
+                    self.error = error
+                    for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                        self._finish(seq, "error", message=str(error))
+
+    def _step(self, record: bool = True) -> None:
+        queries = self.block_manager.prefix_cache_queries
+        hits = self.block_manager.prefix_cache_hits
+        batch = self.scheduler.schedule()  # admission looks up the prefix cache
+        if batch.num_preempted and record:
+            self.metrics.labels(self.metrics.preemptions).inc(batch.num_preempted)
+        if not batch.seqs:
+            return
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        logits, sampling = self.runner.run(batch)
+        tokens, logprobs = sample(logits, sampling)
+        prompt_tokens = 0
+        for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                prompt_tokens += min(count, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += count
+            self.block_manager.register_computed(seq)
+        now = time.monotonic()
+        for seq, token, logprob in zip(sampling, tokens, logprobs, strict=True):
+            self._append_token(seq, token, logprob, now)
+        if record:
+            metrics = self.metrics
+            metrics.count_tokens(prompt_tokens, len(sampling))
+            if self.block_manager.prefix_cache_queries != queries:
+                metrics.labels(metrics.prefix_queries).inc(
+                    self.block_manager.prefix_cache_queries - queries
+                )
+            if self.block_manager.prefix_cache_hits != hits:
+                metrics.labels(metrics.prefix_hits).inc(self.block_manager.prefix_cache_hits - hits)
+            metrics.labels(metrics.running).set(len(self.scheduler.running))
+            metrics.labels(metrics.waiting).set(len(self.scheduler.waiting))
+            metrics.labels(metrics.kv_usage).set(self.block_manager.usage)
+        if self.fault_latency_ms > 0 and sampling:
+            # Every running request gets one token per step, so this is per token for each.
+            time.sleep(self.fault_latency_ms / 1000.0)
+
+    def _append_token(
+        self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float
+    ) -> None:
+        params = seq.params
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            if seq.sink is not None:
+                self.metrics.labels(self.metrics.ttft).observe(now - seq.arrival_time)
+        elif seq.last_token_time is not None:
+            gap = now - seq.last_token_time
+            seq.inter_token_latencies.append(gap)
+            if seq.sink is not None:
+                self.metrics.labels(self.metrics.itl).observe(gap)
+        seq.last_token_time = now
+        reason: str | None = None
+        is_stop_token = token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        )
+        if is_stop_token:
+            reason = "stop"
+        else:
+            self._detokenize(seq)
+            if params.stop and self._truncate_at_stop(seq):
+                reason = "stop"
+        if reason is None and (
+            seq.num_output_tokens >= params.max_tokens or len(seq) >= self.config.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            self._finish(seq, reason)
+        else:
+            self._deliver(seq)
+
+    def _detokenize(self, seq: Sequence) -> None:
+        # Decode a short window so multi-byte characters split across tokens come out whole.
+        output = seq.output_token_ids
+        decode = self.tokenizer.decode
+        prefix = decode(output[seq.prefix_offset : seq.read_offset])
+        full = decode(output[seq.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            seq.text += full[len(prefix) :]
+            seq.prefix_offset = seq.read_offset
+            seq.read_offset = len(output)
+
+    def _truncate_at_stop(self, seq: Sequence) -> bool:
+        longest = max(len(s) for s in seq.params.stop)
+        window_start = max(0, seq.sent_text_length - longest)
+        found = [
+            index for stop in seq.params.stop if (index := seq.text.find(stop, window_start)) >= 0
+        ]
+        if not found:
+            return False
+        seq.text = seq.text[: min(found)]
+        return True
+
+    def _deliver(self, seq: Sequence, error: str | None = None) -> None:
+        if seq.sink is None:
+            return
+        finished = seq.is_finished
+        text_end = len(seq.text)
+        if not finished and seq.params.stop:
+            # Hold back what could be the start of a stop string.
+            text_end = max(
+                seq.sent_text_length, text_end - (max(len(s) for s in seq.params.stop) - 1)
+            )
+        output_ids = seq.output_token_ids
+        out = RequestOutput(
+            request_id=seq.request_id,
+            text=seq.text[seq.sent_text_length : text_end],
+            token_ids=output_ids[seq.sent_token_count :],
+            logprobs=seq.logprobs[seq.sent_logprob_count :],
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens,
+            cached_tokens=seq.num_cached_tokens,
+            error=error,
+        )
+        seq.sent_text_length = text_end
+        seq.sent_token_count = len(output_ids)
+        seq.sent_logprob_count = len(seq.logprobs)
+        seq.sink(out)
+
+    def _finish(self, seq: Sequence, reason: str, message: str | None = None) -> None:
+        was_running = seq.status is SequenceStatus.RUNNING
+        self.scheduler.finish(seq, reason)
+        with self._condition:
+            self._requests.pop(seq.request_id, None)
+        if seq.sink is None:
+            return
+        now = time.monotonic()
+        status = {"abort": "aborted", "error": "error"}.get(reason, "ok")
+        self.metrics.record_finished(
+            status=status,
+            reason=reason,
+            ttft_s=None
+            if seq.first_token_time is None
+            else seq.first_token_time - seq.arrival_time,
+            inter_token_latencies=seq.inter_token_latencies,
+            e2e_s=now - seq.arrival_time,
+            queue_s=None
+            if seq.first_scheduled_time is None
+            else seq.first_scheduled_time - seq.arrival_time,
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens,
+        )
+        del was_running
+        self._deliver(seq, error=message)
+
+    # ---- introspection -------------------------------------------------------------
+    def stats(self) -> dict[str, object]:
+        metrics = self.metrics
+        return {
+            "running": len(self.scheduler.running) if self.state != "loading" else 0,
+            "waiting": (len(self.scheduler.waiting) + len(self._submitted))
+            if self.state != "loading"
+            else 0,
+            "kv_cache_usage": self.block_manager.usage if self.state != "loading" else 0.0,
+            "prompt_tokens_total": metrics.prompt_tokens_total,
+            "generation_tokens_total": metrics.generation_tokens_total,
+            "requests_finished_total": metrics.requests_finished_total,
+            "requests_failed_total": metrics.requests_failed_total,
+            "prefix_cache_queries_total": self.block_manager.prefix_cache_queries
+            if self.state != "loading"
+            else 0,
+            "prefix_cache_hits_total": self.block_manager.prefix_cache_hits
+            if self.state != "loading"
+            else 0,
+            "num_preemptions_total": self.scheduler.num_preemptions
+            if self.state != "loading"
+            else 0,
+        }

@@ -1,0 +1,129 @@
+"""Prometheus metrics named like vLLM's (prefix `engine:`) and the stats for /admin/stats."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+)  # fmt: skip
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.model_name = model_name
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=self.registry)
+
+        self.ttft = histogram(
+            "engine:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "engine:inter_token_latency_seconds", "Time between output tokens.", LATENCY_BUCKETS
+        )
+        self.e2e = histogram(
+            "engine:e2e_request_latency_seconds", "Request latency.", REQUEST_BUCKETS
+        )
+        self.queue_time = histogram(
+            "engine:request_queue_time_seconds", "Time waiting before first scheduled.",
+            REQUEST_BUCKETS,
+        )  # fmt: skip
+        self.running = gauge("engine:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("engine:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("engine:kv_cache_usage_perc", "KV cache usage, 1 is full.")
+        self.prompt_tokens = counter("engine:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("engine:generation_tokens", "Tokens generated.")
+        self.prefix_queries = counter("engine:prefix_cache_queries", "Prefix cache tokens queried.")
+        self.prefix_hits = counter("engine:prefix_cache_hits", "Prefix cache tokens hit.")
+        self.preemptions = counter("engine:num_preemptions", "Preemptions by recompute.")
+        self.success = Counter(
+            "engine:request_success",
+            "Finished requests by reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        for reason in FINISH_REASONS:
+            self.success.labels(model_name, reason)
+        for metric in (
+            self.ttft, self.itl, self.e2e, self.queue_time, self.running, self.waiting,
+            self.kv_usage, self.prompt_tokens, self.generation_tokens, self.prefix_queries,
+            self.prefix_hits, self.preemptions,
+        ):  # fmt: skip
+            metric.labels(model_name)  # export every series from the start, at zero
+        self.failed = counter("engine:request_failure", "Requests that ended in an error.")
+        self._lock = threading.Lock()
+        self.recent: deque[dict[str, Any]] = deque(maxlen=1024)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.requests_finished_total = 0
+        self.requests_failed_total = 0
+
+    def labels(self, metric: Any) -> Any:
+        return metric.labels(self.model_name)
+
+    def count_tokens(self, prompt: int, generated: int) -> None:
+        with self._lock:
+            self.prompt_tokens_total += prompt
+            self.generation_tokens_total += generated
+        if prompt:
+            self.labels(self.prompt_tokens).inc(prompt)
+        if generated:
+            self.labels(self.generation_tokens).inc(generated)
+
+    def record_finished(
+        self,
+        status: str,
+        reason: str,
+        ttft_s: float | None,
+        inter_token_latencies: list[float],
+        e2e_s: float,
+        queue_s: float | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> None:
+        """status: ok, error or aborted (the /admin/stats vocabulary)."""
+        self.success.labels(self.model_name, reason).inc()
+        self.labels(self.e2e).observe(e2e_s)
+        if queue_s is not None:
+            self.labels(self.queue_time).observe(queue_s)
+        itl = sorted(inter_token_latencies)
+        entry = {
+            "finished_at": time.time(),
+            "status": status,
+            "ttft_s": ttft_s,
+            "itl_mean_s": sum(itl) / len(itl) if itl else None,
+            "itl_p95_s": itl[min(len(itl) - 1, int(0.95 * len(itl)))] if itl else None,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+        }
+        with self._lock:
+            self.recent.append(entry)
+            if status == "error":
+                self.requests_failed_total += 1
+            else:
+                self.requests_finished_total += 1
+        if status == "error":
+            self.labels(self.failed).inc()
+
+    def recent_list(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self.recent)

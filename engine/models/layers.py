@@ -1,0 +1,110 @@
+"""Building blocks shared by the models: weight-only linear layers, RMSNorm, rotary tables."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# On CPUs without native bf16 matrix units (AVX2, most AVX-512), a bf16 GEMM runs
+# several times slower than fp32, so batched rows upcast the weight and multiply in
+# fp32; a single row is memory bound and reads the small weight directly.
+SMALL_BATCH_ROWS = 4
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: weight ~= q * scale[:, None]."""
+    # weight: [out, in] float
+    scale = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    quantized = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return quantized, scale.float()
+
+
+class Linear(nn.Module):
+    """y = x @ W.T with W stored as float32, bfloat16 or int8 (+ per-row scale)."""
+
+    def __init__(self, weight: torch.Tensor, storage: str, compute_dtype: torch.dtype):
+        super().__init__()
+        self.storage = storage
+        self.compute_dtype = compute_dtype
+        self.scale: torch.Tensor | None
+        if storage == "int8":
+            quantized, scale = quantize_per_channel(weight.float())
+            self.weight = nn.Parameter(quantized, requires_grad=False)
+            self.scale = scale.to(weight.device)
+            self.scale_bf16 = self.scale.to(torch.bfloat16)
+        else:
+            dtype = torch.bfloat16 if storage == "bfloat16" else torch.float32
+            self.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+            self.scale = None
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [rows, in] in compute dtype -> [rows, out] in compute dtype
+        weight = self.weight
+        rows = x.shape[0]
+        if self.storage == "int8":
+            assert self.scale is not None
+            if x.device.type == "cpu" and rows <= SMALL_BATCH_ROWS:
+                # fused int8 GEMV: reads 1 byte per weight instead of 4
+                out = torch._weight_int8pack_mm(x.to(torch.bfloat16), weight, self.scale_bf16)
+                return out.to(self.compute_dtype)
+            return F.linear(x, weight.to(x.dtype)) * self.scale.to(x.dtype)
+        if weight.dtype == x.dtype:
+            return F.linear(x, weight)
+        if rows <= SMALL_BATCH_ROWS:
+            return F.linear(x.to(weight.dtype), weight).to(x.dtype)
+        return F.linear(x, weight.to(x.dtype))
+
+
+class Embedding(nn.Module):
+    """Token embedding that can double as the (tied) output projection."""
+
+    def __init__(self, weight: torch.Tensor, storage: str, compute_dtype: torch.dtype):
+        super().__init__()
+        self.as_linear = Linear(weight, storage, compute_dtype)
+        self.compute_dtype = compute_dtype
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        # token_ids: [tokens] -> [tokens, hidden]
+        rows = self.as_linear.weight[token_ids].to(self.compute_dtype)
+        if self.as_linear.scale is not None:
+            rows = rows * self.as_linear.scale[token_ids, None].to(self.compute_dtype)
+        return rows
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float, compute_dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(weight.to(compute_dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same order of operations as HF LlamaRMSNorm (variance in fp32), for token parity.
+        dtype = x.dtype
+        hidden = x.float()
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * hidden.to(dtype)
+
+
+def rotary_tables(
+    head_dim: int, max_positions: int, base: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_positions, head_dim] in fp32, HF's rotate-half layout."""
+    inv_freq = 1.0 / (
+        base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    )
+    positions = torch.arange(max_positions, device=device, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
