@@ -229,9 +229,16 @@ def _converge_agents(
     in_flight = {agent_id for agent_id, _, _ in in_flight_commands}
     # A version whose load is under way counts as served: loading it twice would take a
     # second agent that the next version (the canary) needs.
-    loading = {
-        version_id for _, kind, version_id in in_flight_commands if kind == CommandKind.LOAD
-    }
+    loading = {version_id for _, kind, version_id in in_flight_commands if kind == CommandKind.LOAD}
+    # A load's result can reach the database before the agent's heartbeat naming the new
+    # version does: a load that just succeeded also counts as served for a while.
+    loading.update(
+        AgentCommand.objects.filter(
+            kind=CommandKind.LOAD,
+            status=CommandStatus.SUCCEEDED,
+            finished_at__gte=timezone.now() - timedelta(seconds=settings.ROLLOUTS_AGENT_FRESH_S),
+        ).values_list("version_id", flat=True)
+    )
 
     def busy(agent: Agent) -> bool:
         return agent.pk in in_flight or agent.state in {AgentState.LOADING, AgentState.WARMING}

@@ -1,7 +1,8 @@
 """Celery tasks: thin, id-only, idempotent. Each fetches by id and calls one domain function.
 
 - `rollouts.reconcile` / `rollouts.reconcile_all`: routing and agents match the database.
-- `rollouts.gate`: pending -> gating -> running once required evaluations pass.
+- `rollouts.gate`: pending -> gating -> running once required evaluations pass; enqueues
+  `rollouts.evaluate` for each required suite the candidate has no result for.
 - `rollouts.analyze_all` (beat) -> `rollouts.analyze` per running rollout and tick.
 - `rollouts.webhook_deliver`: one signed POST, retried with backoff on transient errors.
 """
@@ -22,6 +23,8 @@ from controlplane.rollouts.models import Deployment, Rollout, RolloutState
 logger = logging.getLogger(__name__)
 
 TASK_OPTIONS = {"acks_late": True, "reject_on_worker_lost": True, "ignore_result": True}
+# An evaluation job in progress is not enqueued again for this long (released when it ends).
+EVALUATION_LOCK_S = 600
 
 
 @shared_task(name="rollouts.reconcile", **TASK_OPTIONS)
@@ -38,7 +41,31 @@ def reconcile_all() -> None:
 
 @shared_task(name="rollouts.gate", **TASK_OPTIONS)
 def rollout_gate(rollout_id: int) -> None:
-    services.rollout_gate_check(rollout_id=rollout_id)
+    """Check the gate; enqueue each required suite not evaluated yet (one job at a time)."""
+    rollout = services.rollout_gate_check(rollout_id=rollout_id)
+    if rollout.state != RolloutState.GATING:
+        return
+    client = reconciler.redis_client()
+    try:
+        for suite_id in services.evaluations_due(rollout_id=rollout_id):
+            key = f"rollouts:evaluating:{rollout_id}:{suite_id}"
+            if client.set(key, "1", nx=True, ex=EVALUATION_LOCK_S):
+                rollout_evaluate.delay(rollout_id, suite_id)
+    finally:
+        client.close()
+
+
+@shared_task(name="rollouts.evaluate", **TASK_OPTIONS)
+def rollout_evaluate(rollout_id: int, suite_id: int) -> None:
+    """One evaluation job; its in-progress key is released however it ends."""
+    try:
+        services.evaluation_run(rollout_id=rollout_id, suite_id=suite_id)
+    finally:
+        client = reconciler.redis_client()
+        try:
+            client.delete(f"rollouts:evaluating:{rollout_id}:{suite_id}")
+        finally:
+            client.close()
 
 
 def analysis_tick(now: datetime | None = None) -> datetime:
