@@ -17,6 +17,7 @@ from celery import shared_task
 from django.conf import settings
 from django.utils import timezone
 
+from controlplane.core.errors import NotFound
 from controlplane.rollouts import reconciler, services, webhooks
 from controlplane.rollouts.models import Deployment, Rollout, RolloutState
 
@@ -92,7 +93,13 @@ def analyze_all() -> None:
 
 @shared_task(name="rollouts.analyze", **TASK_OPTIONS)
 def rollout_analyze(rollout_id: int, window_end: str) -> None:
-    services.rollout_analyze(rollout_id=rollout_id, window_end=datetime.fromisoformat(window_end))
+    try:
+        services.rollout_analyze(
+            rollout_id=rollout_id, window_end=datetime.fromisoformat(window_end)
+        )
+    except NotFound:
+        # Queued before its rollout was deleted (a demo started over): nothing to judge.
+        logger.info("analysis skipped: rollout gone", extra={"rollout": rollout_id})
 
 
 @shared_task(

@@ -103,6 +103,13 @@ def test_a_paused_rollout_is_not_analyzed(deployment, versions) -> None:
     assert AnalysisRun.objects.count() == 0
 
 
+def test_analysis_of_a_rollout_that_no_longer_exists_does_nothing(deployment) -> None:
+    result = rollout_analyze.apply(args=[987654, analysis_tick().isoformat()])
+    assert result.successful()
+    assert AnalysisRun.objects.count() == 0
+    assert not AuditEvent.objects.filter(object_type="rollout").exists()
+
+
 def test_hard_breach_rolls_back_at_once(deployment, versions, tenant) -> None:
     policy = {**POLICY, "hard_breach_window": 10, "hard_error_rate_max": 0.5}
     backdate_stage(running_rollout(deployment, versions[1], stages=STAGES, policy=policy), 5)
