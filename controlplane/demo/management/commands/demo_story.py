@@ -23,19 +23,22 @@ from controlplane.registry.models import ModelVersion
 from controlplane.rollouts import services as rollout_services
 from controlplane.rollouts.models import Deployment, Rollout
 
-# Stages sized for two CPU agents and about two requests a second of demo traffic.
+# Sized for two CPU agents on one thread each: the demo traffic reaches about half a
+# request a second, so the canary's first stage takes a quarter of it and analysis
+# judges on a handful of samples (the statistics say "inconclusive" below that).
 DEMO_STAGES = [
-    {"weight": 10, "min_duration_s": 40, "min_requests": 10, "tenants": []},
-    {"weight": 25, "min_duration_s": 40, "min_requests": 15, "tenants": []},
-    {"weight": 50, "min_duration_s": 40, "min_requests": 20, "tenants": []},
-    {"weight": 100, "min_duration_s": 30, "min_requests": 20, "tenants": []},
+    {"weight": 25, "min_duration_s": 60, "min_requests": 5, "tenants": []},
+    {"weight": 50, "min_duration_s": 60, "min_requests": 8, "tenants": []},
+    {"weight": 75, "min_duration_s": 60, "min_requests": 10, "tenants": []},
+    {"weight": 100, "min_duration_s": 45, "min_requests": 10, "tenants": []},
 ]
 # CPU serving is slower than the GPU defaults; the relative tests still compare versions.
 DEMO_POLICY = {
     "ttft_p95_max_ms": 8000.0,
     "itl_p95_max_ms": 1000.0,
-    "min_samples": 10,
-    "window_s": 60.0,
+    "min_samples": 5,
+    "window_s": 90.0,
+    "max_extensions": 6,
     "on_inconclusive": "hold",
 }
 
