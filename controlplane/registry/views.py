@@ -78,6 +78,15 @@ class ModelVersionViewSet(
         version = selectors.version_list().get(pk=version.pk)
         return Response(ModelVersionSerializer(version).data)
 
+    def _transition(self, request: Request, serializer_class: type, service: Any) -> Response:
+        """Parse the body, run one status-changing service on this version, answer with it."""
+        version = self.get_object()
+        serializer = serializer_class(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        return self._respond(
+            service(actor=request.user, version=version, **serializer.validated_data)
+        )
+
     @extend_schema(request=VersionRegisterSerializer, responses={201: ModelVersionSerializer})
     def create(self, request: Request) -> Response:
         serializer = VersionRegisterSerializer(data=request.data)
@@ -90,14 +99,7 @@ class ModelVersionViewSet(
     @action(detail=True, methods=["post"])
     def verify(self, request: Request, pk: str) -> Response:
         """Verify with an ed25519 signature over the digest and serving config (trusted key)."""
-        version = self.get_object()
-        serializer = VersionVerifySerializer(data=request.data)
-        serializer.is_valid(raise_exception=True)
-        return self._respond(
-            services.version_verify(
-                actor=request.user, version=version, **serializer.validated_data
-            )
-        )
+        return self._transition(request, VersionVerifySerializer, services.version_verify)
 
     @extend_schema(request=RequiredReasonSerializer, responses={200: ModelVersionSerializer})
     @action(
@@ -108,50 +110,22 @@ class ModelVersionViewSet(
     )
     def override_verification(self, request: Request, pk: str) -> Response:
         """Admin only: mark verified without a signature; the reason is audited."""
-        version = self.get_object()
-        serializer = RequiredReasonSerializer(data=request.data)
-        serializer.is_valid(raise_exception=True)
-        return self._respond(
-            services.version_verify_override(
-                actor=request.user, version=version, **serializer.validated_data
-            )
-        )
+        return self._transition(request, RequiredReasonSerializer, services.version_verify_override)
 
     @extend_schema(request=ReasonSerializer, responses={200: ModelVersionSerializer})
     @action(detail=True, methods=["post"])
     def approve(self, request: Request, pk: str) -> Response:
-        version = self.get_object()
-        serializer = ReasonSerializer(data=request.data)
-        serializer.is_valid(raise_exception=True)
-        return self._respond(
-            services.version_approve(
-                actor=request.user, version=version, **serializer.validated_data
-            )
-        )
+        return self._transition(request, ReasonSerializer, services.version_approve)
 
     @extend_schema(request=ReasonSerializer, responses={200: ModelVersionSerializer})
     @action(detail=True, methods=["post"])
     def deprecate(self, request: Request, pk: str) -> Response:
-        version = self.get_object()
-        serializer = ReasonSerializer(data=request.data)
-        serializer.is_valid(raise_exception=True)
-        return self._respond(
-            services.version_deprecate(
-                actor=request.user, version=version, **serializer.validated_data
-            )
-        )
+        return self._transition(request, ReasonSerializer, services.version_deprecate)
 
     @extend_schema(request=RequiredReasonSerializer, responses={200: ModelVersionSerializer})
     @action(detail=True, methods=["post"])
     def revoke(self, request: Request, pk: str) -> Response:
-        version = self.get_object()
-        serializer = RequiredReasonSerializer(data=request.data)
-        serializer.is_valid(raise_exception=True)
-        return self._respond(
-            services.version_revoke(
-                actor=request.user, version=version, **serializer.validated_data
-            )
-        )
+        return self._transition(request, RequiredReasonSerializer, services.version_revoke)
 
 
 class SigningKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
