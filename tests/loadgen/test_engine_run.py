@@ -58,7 +58,9 @@ def test_short_run_against_the_engine(tmp_path):
     assert summary["completion_tokens"] == after - before
     assert summary["usage_reported_share"] == 1.0
     assert summary["ttft_s"]["count"] == 4
-    assert summary["itl_s"]["count"] == 12
+    # One gap between consecutive content chunks; the engine may send two tokens in one
+    # chunk when the client lags, so at most completion tokens minus one per request.
+    assert 1 <= summary["itl_s"]["count"] <= 16 - 4
     # The engine exports no energy counter of its own: the step is skipped, not failed.
     assert summary["energy"] == {
         "available": False,
