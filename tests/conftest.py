@@ -73,3 +73,26 @@ def wait_until(predicate, timeout: float, interval: float = 0.05, message: str =
 
 
 PYTHON = sys.executable
+
+
+@pytest.fixture(scope="session")
+def committed_db(django_db_setup, django_db_blocker) -> Iterator[None]:
+    """The test database for fixtures whose rows other processes read (so they commit).
+
+    pytest-django creates the test database only when a collected test asks for `db`,
+    `transactional_db` or `live_server`; a module whose tests only use a fixture like this
+    one, run on its own, would otherwise write to the configured database itself.
+    """
+    from django.db import connection
+    from django.test.utils import setup_databases, teardown_databases
+
+    if connection.settings_dict["NAME"] == connection.creation._get_test_db_name():
+        yield
+        return
+    with django_db_blocker.unblock():
+        config = setup_databases(verbosity=0, interactive=False, aliases={"default"})
+    try:
+        yield
+    finally:
+        with django_db_blocker.unblock():
+            teardown_databases(config, verbosity=0)

@@ -3,9 +3,10 @@
 One set of processes serves the whole module: two agents (`python -m agent --threads 1`,
 each running the real engine on SmolLM2-135M), a Celery worker and beat on this run's
 queue (analysis and reconcile every second), `manage.py ingest`, the gateway
-(`uvicorn controlplane.asgi`), PostgreSQL and Redis; the control plane's REST API is
-`live_server`. Two client threads stream chat completions through the gateway for the
-whole module with the openai client. A routing monitor reads `routing:smol` every 20 ms.
+(`uvicorn controlplane.asgi`, which also serves the control plane's REST API to the
+agents), PostgreSQL and Redis. Two client threads stream chat completions through the
+gateway for the whole module with the openai client. A routing monitor reads
+`routing:smol` every 20 ms.
 
 The module commits its rows (the processes must read them) and empties the database
 and Redis when it ends. The tests do not depend on each other's order: each rolls out a
@@ -55,14 +56,7 @@ from tests.api.support import Signer, make_user
 from tests.conftest import PYTHON, start_process, stop_process, wait_until
 from tests.gateway.conftest import start_gateway
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skip(
-        reason="not yet green end to end: test a passes; test b then finds no Deployment because"
-        " requesting live_server makes pytest-django flush every table after each test (see"
-        " docs/rollouts.md)"
-    ),
-]
+pytestmark = pytest.mark.slow
 
 DEPLOYMENT = "smol"
 CONFIG = {
@@ -221,7 +215,7 @@ def _version(model: Model, signer: Signer, label: str, dtype: str, **overrides: 
 
 
 @pytest.fixture(scope="module")
-def stack(django_db_setup, django_db_blocker, live_server, tmp_path_factory) -> Iterator[Stack]:
+def stack(committed_db, django_db_blocker, tmp_path_factory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("rollouts-e2e")
     store = tmp / "store"
     client = redis.Redis.from_url(settings.REDIS_URL, decode_responses=True)
@@ -266,11 +260,8 @@ def stack(django_db_setup, django_db_blocker, live_server, tmp_path_factory) -> 
                 token_file = tmp / "agent-token"
                 tmp_path = tmp
 
-            for name in ("agent-1", "agent-2"):
-                start(
-                    name,
-                    agent_args(name, free_port_pair(), settings.REDIS_URL, live_server.url, Holder),
-                )
+            # The gateway process serves the whole ASGI application: the agents reach the
+            # control plane's REST API (registration, artifact downloads) through it too.
             gateway = start_gateway(
                 tmp,
                 tmp / "spool",
@@ -278,6 +269,11 @@ def stack(django_db_setup, django_db_blocker, live_server, tmp_path_factory) -> 
             )
             processes.append(gateway.process)
             logs.append(gateway.log)
+            for name in ("agent-1", "agent-2"):
+                start(
+                    name,
+                    agent_args(name, free_port_pair(), settings.REDIS_URL, gateway.url, Holder),
+                )
 
             deployment = services.deployment_create(
                 actor=None, name=DEPLOYMENT, stable_version=versions["f32"]

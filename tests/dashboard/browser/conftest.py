@@ -47,7 +47,7 @@ def _answers(url: str) -> bool:
 
 
 @pytest.fixture(scope="session")
-def server_url(django_db_setup, django_db_blocker, tmp_path_factory) -> Iterator[str]:
+def server_url(committed_db, django_db_blocker, tmp_path_factory) -> Iterator[str]:
     """uvicorn serving controlplane.asgi:application on the test database and Redis."""
     port = _free_port()
     log_path = tmp_path_factory.mktemp("uvicorn") / "server.log"
