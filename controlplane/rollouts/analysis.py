@@ -184,8 +184,14 @@ def two_proportion_z_greater(
     return {"z": z, "p_value": float(stats.norm.sf(z))}
 
 
-def analyze(*, baseline: Samples, canary: Samples, policy: AnalysisPolicy) -> AnalysisResult:
-    """Compare canary with baseline over one window."""
+def analyze(
+    *, baseline: Samples, canary: Samples, policy: AnalysisPolicy, compare_latency: bool = True
+) -> AnalysisResult:
+    """Compare canary with baseline over one window.
+
+    `compare_latency=False` leaves out the latency rank tests (the absolute limits still
+    apply): for windows in which the two sides did not carry comparable load.
+    """
     base = summarize(baseline)
     can = summarize(canary)
     result = AnalysisResult(verdict=Verdict.PASS, reasons=[], baseline=base, canary=can)
@@ -213,11 +219,18 @@ def analyze(*, baseline: Samples, canary: Samples, policy: AnalysisPolicy) -> An
         )
 
     # Rank tests on latency, canary against baseline.
+    if not compare_latency:
+        result.reasons.append(
+            "latency rank tests left out: the baseline had no traffic at the canary's load;"
+            " absolute limits apply"
+        )
     for name, canary_values, baseline_values in (
         ("ttft", canary.ttft_ms, baseline.ttft_ms),
         ("itl", canary.itl_ms, baseline.itl_ms),
     ):
-        if len(canary_values) < policy.min_samples or len(baseline_values) < policy.min_samples:
+        if not compare_latency or (
+            len(canary_values) < policy.min_samples or len(baseline_values) < policy.min_samples
+        ):
             result.tests[f"{name}_mann_whitney"] = None
             continue
         test = mann_whitney_greater(

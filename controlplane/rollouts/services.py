@@ -723,14 +723,16 @@ def rollout_analyze(*, rollout_id: int, window_end: datetime) -> AnalysisRun | N
     stage = rollout.current_stage or {}
     window_start = max(rollout.stage_started_at, window_end - timedelta(seconds=policy.window_s))
     tenants = stage.get("tenants") or None
-    # A full-weight stage sends the baseline nothing: compare with its latest window instead.
+    # A full-weight stage sends the baseline nothing: its reference is its last window
+    # before the stage, and latency is judged by the absolute limits only (the canary now
+    # carries the baseline's share too, so a rank test would compare unequal loads).
+    full_weight = stage.get("weight") == 100
+    baseline_end = rollout.stage_started_at if full_weight else window_end
     baseline_start = (
-        window_end - timedelta(seconds=policy.window_s)
-        if stage.get("weight") == 100
-        else window_start
+        baseline_end - timedelta(seconds=policy.window_s) if full_weight else window_start
     )
     baseline = selectors.request_samples_window(
-        version_id=rollout.baseline_id, start=baseline_start, end=window_end, tenant_slugs=tenants
+        version_id=rollout.baseline_id, start=baseline_start, end=baseline_end, tenant_slugs=tenants
     )
     canary = selectors.request_samples_window(
         version_id=rollout.candidate_id, start=window_start, end=window_end, tenant_slugs=tenants
@@ -738,7 +740,9 @@ def rollout_analyze(*, rollout_id: int, window_end: datetime) -> AnalysisRun | N
     canary_in_stage = selectors.request_count(
         version_id=rollout.candidate_id, start=rollout.stage_started_at, end=window_end
     )
-    result = analysis.analyze(baseline=baseline, canary=canary, policy=policy)
+    result = analysis.analyze(
+        baseline=baseline, canary=canary, policy=policy, compare_latency=not full_weight
+    )
     elapsed = (window_end - rollout.stage_started_at).total_seconds()
     action = analysis.stage_decide(
         verdict=result.verdict,

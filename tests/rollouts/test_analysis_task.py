@@ -138,3 +138,69 @@ def test_hard_breach_rolls_back_at_once(deployment, versions, tenant) -> None:
     )
     assert services.rollout_check_hard_breach(version_id=versions[1].pk) is None  # once
     assert Rollout.objects.get().state == "rolled_back"
+
+
+def test_the_full_weight_stage_judges_latency_by_limits_against_the_last_baseline_window(
+    deployment, versions, tenant
+) -> None:
+    """At 100 % the canary carries the baseline's share too: slower, but within the
+    absolute limits, it is promoted; the baseline's figures are its last window before
+    the stage, when it still had traffic."""
+    rollout = running_rollout(
+        deployment, versions[1], stages=STAGES, policy={**POLICY, "ttft_p95_max_ms": 1000.0}
+    )
+    rollout = services.rollout_advance(actor=None, rollout_id=rollout.pk, reason="test")
+    rollout = backdate_stage(rollout, 120)
+    window_end = analysis_tick()
+    stage_start = rollout.stage_started_at
+    add_samples(
+        version=versions[0],
+        tenant=tenant,
+        start=stage_start - timedelta(seconds=30),
+        ttft_ms=[100.0 + i % 9 for i in range(40)],
+    )
+    add_samples(
+        version=versions[1],
+        tenant=tenant,
+        start=window_end - timedelta(seconds=50),
+        ttft_ms=[400.0 + i % 7 for i in range(30)],
+    )
+
+    rollout_analyze.apply(args=[rollout.pk, window_end.isoformat()])
+
+    run = AnalysisRun.objects.get()
+    assert (run.verdict, run.action, run.stage_index) == ("pass", "advance", 1)
+    assert run.baseline["requests"] == 40
+    assert run.tests["ttft_mann_whitney"] is None
+    assert any(reason.startswith("latency rank tests left out") for reason in run.reasons)
+    rollout.refresh_from_db()
+    assert rollout.state == "promoted"
+
+
+def test_the_full_weight_stage_still_fails_a_canary_over_the_absolute_limits(
+    deployment, versions, tenant
+) -> None:
+    rollout = running_rollout(
+        deployment, versions[1], stages=STAGES, policy={**POLICY, "ttft_p95_max_ms": 300.0}
+    )
+    rollout = services.rollout_advance(actor=None, rollout_id=rollout.pk, reason="test")
+    rollout = backdate_stage(rollout, 120)
+    window_end = analysis_tick()
+    add_samples(
+        version=versions[0],
+        tenant=tenant,
+        start=rollout.stage_started_at - timedelta(seconds=30),
+        ttft_ms=[100.0] * 40,
+    )
+    add_samples(
+        version=versions[1],
+        tenant=tenant,
+        start=window_end - timedelta(seconds=50),
+        ttft_ms=[400.0] * 30,
+    )
+
+    rollout_analyze.apply(args=[rollout.pk, window_end.isoformat()])
+
+    run = AnalysisRun.objects.get()
+    assert (run.verdict, run.action) == ("fail", "rollback")
+    assert run.reasons[0].startswith("TTFT p95 400.0 ms is over the limit 300 ms")
