@@ -3,7 +3,10 @@
 Routing (written by the rollouts reconciler, today by
 `controlplane.gateway.services.routing_table_publish`; read by every gateway process):
 
-- `routing:<deployment>`: a string holding one JSON `RoutingTable`.
+- `routing:<deployment>`: a string holding one JSON `RoutingTable`. Its versions' weights
+  apply to every tenant, except the tenants named in `tenant_weights`, whose own weights
+  replace them (a tenant-scoped canary stage: the named tenants split between baseline
+  and canary, everyone else stays on the baseline).
 - `routing:deployments`: a set of the deployment names that have a table.
 - `routing:changed`: a pub/sub channel; each message is the name of a deployment
   whose table changed (or was deleted). Gateways also re-read every table every few
@@ -23,7 +26,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -39,6 +42,7 @@ REQUESTS_MAXLEN = 1_000_000
 DEPLOYMENT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,99}$")
 REQUEST_ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")
 ENDPOINT_PATTERN = re.compile(r"^https?://[^\s/]+(:\d+)?/?$")
+TENANT_SLUG_PATTERN = re.compile(r"^[-a-zA-Z0-9_]{1,50}$")
 
 
 class RoutingContractError(ValueError):
@@ -81,6 +85,15 @@ class RoutingTable:
     affinity: Affinity = Affinity.NONE
     generation: int = 0  # increases with each publish; a reader keeps the newest
     published_at: float = 0.0
+    # tenant slug -> {version_id: weight}: these tenants' weights instead of the versions'
+    tenant_weights: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
+
+    def weights_for(self, tenant_slug: str | None) -> dict[int, int]:
+        """{version_id: weight} as they apply to this tenant."""
+        own = self.tenant_weights.get(tenant_slug) if tenant_slug is not None else None
+        if own is not None:
+            return {v.version_id: own.get(v.version_id, 0) for v in self.versions}
+        return {v.version_id: v.weight for v in self.versions}
 
     def to_json(self) -> str:
         return json.dumps(
@@ -92,6 +105,10 @@ class RoutingTable:
                 "generation": self.generation,
                 "published_at": self.published_at,
                 "versions": [version.to_json() for version in self.versions],
+                "tenant_weights": {
+                    slug: {str(version_id): weight for version_id, weight in weights.items()}
+                    for slug, weights in self.tenant_weights.items()
+                },
             },
             sort_keys=True,
             separators=(",", ":"),
@@ -115,6 +132,7 @@ def routing_table_build(
     affinity: Affinity | str = Affinity.NONE,
     generation: int = 0,
     published_at: float = 0.0,
+    tenant_weights: Mapping[str, Mapping[int, int]] | None = None,
 ) -> RoutingTable:
     """A validated table; raises RoutingContractError naming the first bad field."""
     if not DEPLOYMENT_PATTERN.fullmatch(deployment):
@@ -148,6 +166,21 @@ def routing_table_build(
                 raise RoutingContractError(f"{where}.endpoints: {endpoint!r} is not an http(s) URL")
     if versions and sum(version.weight for version in versions) == 0:
         raise RoutingContractError("versions: at least one weight must be positive")
+    checked: dict[str, dict[int, int]] = {}
+    for slug, weights in (tenant_weights or {}).items():
+        where = f"tenant_weights[{str(slug)[:50]!r}]"
+        if not isinstance(slug, str) or not TENANT_SLUG_PATTERN.fullmatch(slug):
+            raise RoutingContractError(f"{where}: not a tenant slug")
+        if not isinstance(weights, Mapping) or not weights:
+            raise RoutingContractError(f"{where}: must map version ids to weights")
+        for version_id, weight in weights.items():
+            if isinstance(version_id, bool) or version_id not in seen:
+                raise RoutingContractError(f"{where}: version {version_id!r} is not in versions")
+            if isinstance(weight, bool) or not isinstance(weight, int) or not 0 <= weight <= 100:
+                raise RoutingContractError(f"{where}.{version_id}: weight must be within 0..100")
+        if sum(weights.values()) == 0:
+            raise RoutingContractError(f"{where}: at least one weight must be positive")
+        checked[slug] = dict(weights)
     return RoutingTable(
         deployment=deployment,
         model=model,
@@ -163,6 +196,7 @@ def routing_table_build(
         affinity=affinity,
         generation=generation,
         published_at=published_at,
+        tenant_weights=checked,
     )
 
 
@@ -189,7 +223,23 @@ def parse_routing_table(raw: str | bytes) -> RoutingTable:
                 endpoints=tuple(endpoints),
             )
         )
+    raw_tenant_weights = data.get("tenant_weights", {})  # absent in tables before it existed
+    if not isinstance(raw_tenant_weights, dict):
+        raise RoutingContractError("tenant_weights: must be an object")
+    tenant_weights: dict[str, dict[int, int]] = {}
+    for slug, weights in raw_tenant_weights.items():
+        if not isinstance(weights, dict):
+            raise RoutingContractError(f"tenant_weights[{slug[:50]!r}]: must be an object")
+        try:
+            tenant_weights[slug] = {
+                int(version_id): weight for version_id, weight in weights.items()
+            }
+        except ValueError as exc:
+            raise RoutingContractError(
+                f"tenant_weights[{slug[:50]!r}]: version ids must be integers"
+            ) from exc
     return routing_table_build(
+        tenant_weights=tenant_weights,
         deployment=_field(data, "deployment", str),
         model=_field(data, "model", str),
         versions=versions,

@@ -45,12 +45,15 @@ def routing_table_publish(
     model: str,
     versions: Sequence[VersionRoute | Mapping[str, Any]],
     affinity: Affinity | str = Affinity.NONE,
+    tenant_weights: Mapping[str, Mapping[int, int]] | None = None,
     client: redis.Redis | None = None,
 ) -> RoutingTable:
     """Write the live routing table of a deployment and announce the change.
 
     `versions`: each a VersionRoute or a mapping with version_id, label, weight (0..100)
-    and endpoints (base URLs of ready agents). The rollouts reconciler calls this.
+    and endpoints (base URLs of ready agents). `tenant_weights`: {tenant slug:
+    {version_id: weight}} for the tenants of a tenant-scoped stage. The rollouts
+    reconciler calls this.
     """
     routes = [
         item
@@ -66,7 +69,11 @@ def routing_table_publish(
     client = client or _redis()
     try:
         table = routing_table_build(
-            deployment=deployment, model=model, versions=routes, affinity=affinity
+            deployment=deployment,
+            model=model,
+            versions=routes,
+            affinity=affinity,
+            tenant_weights=tenant_weights,
         )
     except RoutingContractError as exc:
         raise DomainError("invalid_routing", str(exc)) from exc
@@ -78,6 +85,7 @@ def routing_table_publish(
         affinity=table.affinity,
         generation=generation,
         published_at=time.time(),
+        tenant_weights=table.tenant_weights,
     )
     pipe = client.pipeline(transaction=True)
     pipe.set(routing_key(deployment), table.to_json())

@@ -67,10 +67,15 @@ def routing_publish(
     deployment: str,
     model: str,
     versions: list[VersionRoute],
+    tenant_weights: dict[str, dict[int, int]] | None = None,
 ) -> int:
     """Write `routing:<deployment>` through the gateway's publisher; returns the generation."""
     table = routing_table_publish(
-        deployment=deployment, model=model, versions=versions, client=client
+        deployment=deployment,
+        model=model,
+        versions=versions,
+        tenant_weights=tenant_weights,
+        client=client,
     )
     return table.generation
 
@@ -151,21 +156,23 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
                 report.revision = deployment.routing_revision
                 canary_id, weight, tenants = None, 0, []
 
-    # Routing: only ready agents; a canary without one (or tenant-scoped, which the table
-    # cannot express yet) gets weight 0 and the stable version keeps every request.
+    # Routing: only ready agents; a canary without one gets no weight and the stable
+    # version keeps every request. A tenant-scoped stage keeps the table's weights on the
+    # stable version and gives the named tenants their own split.
     stable_endpoints = ready_endpoints(stable_id)
     canary_endpoints = ready_endpoints(canary_id) if canary_id is not None else []
-    effective = weight if canary_endpoints and not tenants else 0
+    effective = weight if canary_endpoints else 0
+    shared = 0 if tenants else effective  # the canary's weight for every tenant
     labels = dict(
         ModelVersion.objects.filter(pk__in=[stable_id, canary_id or 0]).values_list("pk", "label")
     )
     versions = []
-    if 100 - effective > 0 or not canary_endpoints:
+    if 100 - shared > 0 or not canary_endpoints:
         versions.append(
             VersionRoute(
                 version_id=stable_id,
                 label=labels.get(stable_id, str(stable_id)),
-                weight=max(100 - effective, 0) or 100,
+                weight=max(100 - shared, 0) or 100,
                 endpoints=tuple(stable_endpoints),
             )
         )
@@ -174,15 +181,21 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
             VersionRoute(
                 version_id=canary_id,
                 label=labels.get(canary_id, str(canary_id)),
-                weight=effective,
+                weight=shared,
                 endpoints=tuple(canary_endpoints),
             )
         )
+    tenant_weights = (
+        {slug: {stable_id: 100 - effective, canary_id: effective} for slug in tenants}
+        if tenants and canary_id is not None and effective > 0
+        else {}
+    )
     routing_publish(
         client=client,
         deployment=deployment.name,
         model=deployment.stable_version.model.name,
         versions=versions,
+        tenant_weights=tenant_weights,
     )
     report.weights = {v.version_id: v.weight for v in versions}
     report.endpoints = {v.version_id: list(v.endpoints) for v in versions}

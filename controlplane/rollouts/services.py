@@ -105,6 +105,15 @@ def stages_validate(stages: Sequence[dict[str, Any]] | None) -> list[dict[str, A
         raise DomainError(
             "invalid_stages", "The last stage must serve every tenant (no tenant list)."
         )
+    named = {slug for stage in normalized for slug in stage["tenants"]}
+    if named:
+        from controlplane.tenants.models import Tenant
+
+        unknown = named - set(Tenant.objects.filter(slug__in=named).values_list("slug", flat=True))
+        if unknown:
+            raise DomainError(
+                "invalid_stages", f"Unknown tenants in stages: {', '.join(sorted(unknown))}."
+            )
     return normalized
 
 

@@ -2,9 +2,11 @@
 
 from datetime import timedelta
 
+import pytest
 from django.utils import timezone
 
 from contracts.routing import parse_routing_table, routing_key
+from controlplane.core.errors import DomainError
 from controlplane.fleet.models import Agent
 from controlplane.rollouts import reconciler, services
 from controlplane.rollouts.models import Deployment, Rollout
@@ -91,3 +93,45 @@ def test_every_canary_agent_lost_rolls_back(deployment, versions, redis_client) 
     )
     assert weights(redis_client) == {versions[0].pk: (100, ("http://127.0.0.1:9000",))}
     assert Deployment.objects.get().desired_routing["canary_weight"] == 0
+
+
+def test_a_tenant_scoped_stage_splits_only_the_named_tenants(
+    deployment, versions, tenant, redis_client
+) -> None:
+    stable, candidate = versions
+    agent("gpu-0", stable)
+    agent("gpu-1", candidate)
+    stages = [
+        {"weight": 50, "min_duration_s": 60, "tenants": [tenant.slug]},
+        {"weight": 100, "min_duration_s": 60},
+    ]
+    rollout = running_rollout(deployment, candidate, stages=stages)
+    report = reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
+
+    published = table(redis_client)
+    # Every other tenant stays on the stable version; the canary is listed, unweighted.
+    assert weights(redis_client) == {
+        stable.pk: (100, ("http://127.0.0.1:9000",)),
+        candidate.pk: (0, ("http://127.0.0.1:9001",)),
+    }
+    assert published.tenant_weights == {tenant.slug: {stable.pk: 50, candidate.pk: 50}}
+    assert published.weights_for(tenant.slug) == {stable.pk: 50, candidate.pk: 50}
+    assert published.weights_for("globex") == {stable.pk: 100, candidate.pk: 0}
+    assert report.weights == {stable.pk: 100, candidate.pk: 0}
+
+    # The next stage serves everyone: the tenant weights go.
+    services.rollout_advance(actor=None, rollout_id=rollout.pk, reason="test")
+    reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
+    assert weights(redis_client) == {candidate.pk: (100, ("http://127.0.0.1:9001",))}
+    assert table(redis_client).tenant_weights == {}
+
+
+def test_a_stage_naming_an_unknown_tenant_is_refused(deployment, versions, tenant) -> None:
+    stages = [{"weight": 50, "tenants": ["acme", "nobody"]}, {"weight": 100}]
+    with pytest.raises(DomainError) as refused:
+        services.rollout_create(
+            actor=None, deployment=deployment, candidate=versions[1], stages=stages, reason="t"
+        )
+    assert refused.value.code == "invalid_stages"
+    assert "nobody" in str(refused.value.message)
+    assert not Rollout.objects.exists()

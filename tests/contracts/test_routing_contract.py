@@ -1,0 +1,72 @@
+"""The routing table contract: tenant weights for tenant-scoped canary stages."""
+
+import json
+
+import pytest
+
+from contracts.routing import (
+    RoutingContractError,
+    VersionRoute,
+    parse_routing_table,
+    routing_table_build,
+)
+
+VERSIONS = [
+    VersionRoute(version_id=1, label="stable", weight=100, endpoints=("http://a:1",)),
+    VersionRoute(version_id=2, label="canary", weight=0, endpoints=("http://b:1",)),
+]
+
+
+def build(**overrides):
+    return routing_table_build(
+        **{"deployment": "smol", "model": "SmolLM2", "versions": VERSIONS, **overrides}
+    )
+
+
+def test_tenant_weights_replace_the_versions_weights_for_those_tenants_only() -> None:
+    table = build(tenant_weights={"acme": {1: 75, 2: 25}})
+    assert table.weights_for("acme") == {1: 75, 2: 25}
+    assert table.weights_for("globex") == {1: 100, 2: 0}
+    assert table.weights_for(None) == {1: 100, 2: 0}
+
+
+def test_tenant_weights_survive_the_json_round_trip() -> None:
+    table = build(tenant_weights={"acme": {1: 0, 2: 100}}, generation=7)
+    parsed = parse_routing_table(table.to_json())
+    assert parsed == table
+    assert parsed.weights_for("acme") == {1: 0, 2: 100}
+
+
+def test_a_table_written_before_tenant_weights_existed_still_parses() -> None:
+    data = json.loads(build().to_json())
+    del data["tenant_weights"]
+    parsed = parse_routing_table(json.dumps(data))
+    assert parsed.tenant_weights == {}
+    assert parsed.weights_for("acme") == {1: 100, 2: 0}
+
+
+@pytest.mark.parametrize(
+    ("tenant_weights", "message"),
+    [
+        ({"acme": {3: 100}}, "version 3 is not in versions"),
+        ({"acme": {1: 0, 2: 0}}, "at least one weight must be positive"),
+        ({"acme": {1: 101}}, "weight must be within 0..100"),
+        ({"acme": {1: True}}, "weight must be within 0..100"),
+        ({"not a slug!": {1: 100}}, "not a tenant slug"),
+        ({"acme": {}}, "must map version ids to weights"),
+    ],
+)
+def test_bad_tenant_weights_are_refused_naming_the_field(tenant_weights, message) -> None:
+    with pytest.raises(RoutingContractError, match="tenant_weights") as refused:
+        build(tenant_weights=tenant_weights)
+    assert message in str(refused.value)
+
+
+def test_a_stored_table_with_bad_tenant_weights_is_refused() -> None:
+    data = json.loads(build().to_json())
+    data["tenant_weights"] = {"acme": {"one": 100}}
+    with pytest.raises(RoutingContractError, match="version ids must be integers"):
+        parse_routing_table(json.dumps(data))
+    data["tenant_weights"] = ["acme"]
+    with pytest.raises(RoutingContractError, match="tenant_weights: must be an object"):
+        parse_routing_table(json.dumps(data))
