@@ -9,10 +9,11 @@ Two comparisons, each in the same run as its reference:
 - gateway: a loadgen run through the gateway, joined by the `x-request-id` the gateway
   returns to its `RequestSample` rows. Per version: the gateway's TTFT p95 against
   loadgen's TTFT p95 over the same requests (target within 5 %), and the gateway's usage
-  tokens against loadgen's (target exact). It needs a running gateway with ingest and its
-  database: set BENCH_GATEWAY_URL, BENCH_GATEWAY_API_KEY, BENCH_GATEWAY_MODEL (and
-  DATABASE_URL / DJANGO_SETTINGS_MODULE as for manage.py). Without them the figures are
-  reported as "skipped: gateway not available".
+  tokens against loadgen's (target exact). By default the step starts the demo's
+  processes on stores of its own (`bench.stack`: PostgreSQL `cp_bench_fidelity`, Redis db
+  5) and holds a rollout of the bfloat16 version at 50 %, so both versions get traffic.
+  To measure a running gateway instead, set BENCH_GATEWAY_URL, BENCH_GATEWAY_API_KEY,
+  BENCH_GATEWAY_MODEL (and DATABASE_URL / DJANGO_SETTINGS_MODULE as for manage.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -29,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from bench.stack import DEPLOYMENT, MODEL, DemoStack, wait_for
 from loadgen.energy import parse_prometheus
 from loadgen.report import write_run
 from loadgen.runner import LoadConfig, RunResult, run_load
@@ -230,21 +233,77 @@ def _gateway_samples(request_ids: list[str], wait_s: float) -> list[dict[str, An
         time.sleep(1.0)
 
 
+def _own_gateway(tmp: Path) -> tuple[DemoStack, str, str, str]:
+    """The demo's processes on this step's stores, both SmolLM2 versions routed 50/50."""
+    database_url = os.environ.get(
+        "BENCH_FIDELITY_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/cp_bench_fidelity"
+    )
+    redis_url = os.environ.get("BENCH_FIDELITY_REDIS_URL", "redis://127.0.0.1:6379/5")
+    stack = DemoStack.start(tmp, database_url, redis_url)
+    try:
+        stack.django_setup()
+        import redis
+
+        from contracts.routing import parse_routing_table, routing_key
+        from controlplane.registry.models import ModelVersion
+        from controlplane.rollouts import services
+        from controlplane.rollouts.models import Deployment
+
+        client = redis.Redis.from_url(redis_url)
+
+        def routed() -> dict[int, int]:
+            stack.check()
+            raw = client.get(routing_key(DEPLOYMENT))
+            if raw is None:
+                return {}
+            table = parse_routing_table(raw)
+            return {v.version_id: v.weight for v in table.versions if v.endpoints}
+
+        deployment = Deployment.objects.get(name=DEPLOYMENT)
+        wait_for(lambda: routed() == {deployment.stable_version_id: 100}, 150, "stable routed")
+        candidate = ModelVersion.objects.get(model__name=MODEL, label="q4_1-bf16")
+        services.rollout_create(
+            actor=None,
+            deployment=deployment,
+            candidate=candidate,
+            stages=[{"weight": 50, "min_duration_s": 3600, "min_requests": 1}],
+            policy={"min_samples": 1_000_000, "on_inconclusive": "hold"},
+            reason="fidelity bench: both versions serve",
+        )
+        wait_for(lambda: routed().get(candidate.pk) == 50, 150, "candidate routed at 50 %")
+        client.close()
+    except BaseException:
+        stack.stop()
+        raise
+    return stack, f"{stack.web_url}/v1", stack.credentials["api_keys"]["acme"], MODEL
+
+
 def gateway_fidelity(quick: bool) -> tuple[list[dict[str, Any]], list[str]]:
     url = os.environ.get("BENCH_GATEWAY_URL")
     key = os.environ.get("BENCH_GATEWAY_API_KEY")
     model = os.environ.get("BENCH_GATEWAY_MODEL")
-    if not (url and key and model):
-        return skipped_gateway_figures(), [
-            "gateway side skipped: set BENCH_GATEWAY_URL, BENCH_GATEWAY_API_KEY and "
-            "BENCH_GATEWAY_MODEL to a running gateway (with ingest) to measure it"
-        ]
+    if url and key and model:
+        return _gateway_fidelity(url, key, model, quick)
+    with tempfile.TemporaryDirectory(prefix="fidelity-bench-") as tmp:
+        try:
+            stack, url, key, model = _own_gateway(Path(tmp))
+        except Exception as error:
+            return skipped_gateway_figures(f"{GATEWAY_UNAVAILABLE} ({error})"), []
+        try:
+            return _gateway_fidelity(url, key, model, quick)
+        finally:
+            stack.stop()
+
+
+def _gateway_fidelity(
+    url: str, key: str, model: str, quick: bool
+) -> tuple[list[dict[str, Any]], list[str]]:
     config = LoadConfig(
         base_url=url,
         model=model,
         api_key=key,
         concurrency=2,
-        num_requests=8 if quick else 20,
+        num_requests=10 if quick else 24,
         prompt_tokens=32,
         max_tokens=8,
         show_progress=False,

@@ -28,30 +28,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-PYTHON = sys.executable
+from bench.stack import DEPLOYMENT, MODEL, DemoStack
+from bench.stack import wait_for as _wait
+
 BUDGET_S = 200
 QUICK_BUDGET_S = 160
 DRILL_TARGET_S = 3.0
 MANUAL_TARGET_S = 0.5
-DEPLOYMENT = "smollm2"
-MODEL = "SmolLM2-135M-Instruct"
 CANDIDATE_LABEL = "q4_1-bf16"
 STAGE = {"weight": 50, "min_duration_s": 3600, "min_requests": 1}
 # The drills measure the fast path: analysis (every 10 s) stays inconclusive and holds.
@@ -66,66 +60,6 @@ CLIENT_THREADS = 4
 
 def log(message: str) -> None:
     print(f"[rollback_bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"{what}: not within {timeout:.0f} s")
-
-
-def _fresh_database(url: str, name: str) -> None:
-    import psycopg
-
-    with psycopg.connect(url.rsplit("/", 1)[0] + "/postgres", autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        conn.execute(f'CREATE DATABASE "{name}"')
-
-
-@dataclass
-class Stack:
-    """The demo's processes on this bench's stores; stop() ends them all."""
-
-    tmp: Path
-    env: dict[str, str]
-    web_url: str = ""
-    processes: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
-
-    def start(self, name: str, args: list[str]) -> None:
-        out = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-        process = subprocess.Popen(
-            args, cwd=REPO_ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-        self.processes.append((name, process))
-
-    def check(self) -> None:
-        for name, process in self.processes:
-            if process.poll() is not None:
-                tail = (self.tmp / f"{name}.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{name} exited with {process.returncode}:\n{tail}")
-
-    def stop(self) -> None:
-        for _, process in reversed(self.processes):
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for _, process in self.processes:
-            try:
-                process.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
 
 
 class RoutingMonitor:
@@ -215,57 +149,6 @@ class Traffic:
         return dict(self.statuses)
 
 
-def _setup_django(env: dict[str, str]) -> None:
-    os.environ.update(env)
-    import django
-
-    django.setup()
-
-
-def _start_stack(tmp: Path, database_url: str, redis_url: str) -> Stack:
-    web_port = _free_port()
-    env = {
-        **os.environ,
-        "DEBUG": "1",
-        "LOG_FORMAT": "plain",
-        "LOG_LEVEL": "WARNING",
-        "PYTHONUNBUFFERED": "1",
-        "DJANGO_SETTINGS_MODULE": "controlplane.settings",
-        "DATABASE_URL": database_url,
-        "REDIS_URL": redis_url,
-        "DEMO_DIR": str(tmp / "demo"),
-        "CELERY_QUEUE": "bench-rollback",
-        "CHANNELS_PREFIX": "bench-rollback",
-        "ROLLOUTS_DRAIN_GRACE_S": "3600",
-        "WEB_PORT": str(web_port),
-    }
-    stack = Stack(tmp=tmp, env=env, web_url=f"http://127.0.0.1:{web_port}")
-    for command in (["migrate", "--noinput", "-v", "0"], ["seed_demo"]):
-        subprocess.run(
-            [PYTHON, "manage.py", *command], cwd=REPO_ROOT, env=env, check=True,
-            stdout=subprocess.DEVNULL,
-        )  # fmt: skip
-    demo = tmp / "demo"
-    stack.start("web", [PYTHON, "-m", "uvicorn", "controlplane.asgi:application", "--host",
-                        "127.0.0.1", "--port", str(web_port), "--no-access-log"])  # fmt: skip
-    stack.start("worker", [PYTHON, "-m", "celery", "-A", "controlplane", "worker", "--pool",
-                           "threads", "--concurrency", "4", "--loglevel", "WARNING",
-                           "--without-gossip", "--without-mingle",
-                           "--without-heartbeat"])  # fmt: skip
-    stack.start("beat", [PYTHON, "-m", "celery", "-A", "controlplane", "beat", "--loglevel",
-                         "WARNING", "--schedule", str(tmp / "beat-schedule")])  # fmt: skip
-    stack.start("ingest", [PYTHON, "manage.py", "ingest"])
-    for index in (1, 2):
-        port = _free_port()
-        stack.start(f"agent-{index}", [
-            PYTHON, "-m", "agent", "--name", f"bench-agent-{index}", "--port", str(port),
-            "--redis", redis_url, "--control-plane", stack.web_url,
-            "--credentials-file", str(demo / "credentials.json"),
-            "--state-dir", str(demo / "agents" / f"agent-{index}"), "--threads", "1",
-        ])  # fmt: skip
-    return stack
-
-
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -275,16 +158,12 @@ def measure(tmp: Path, drills: int, manual: int, ready_timeout: float) -> dict[s
         "BENCH_ROLLBACK_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/cp_bench_rollback"
     )
     redis_url = os.environ.get("BENCH_ROLLBACK_REDIS_URL", "redis://127.0.0.1:6379/6")
-    import redis
-
-    _fresh_database(database_url, database_url.rsplit("/", 1)[1])
-    redis.Redis.from_url(redis_url).flushdb()
-    log("stores ready; seeding and starting web, worker, beat, ingest and two agents")
-    stack = _start_stack(tmp, database_url, redis_url)
+    log("fresh stores; seeding and starting web, worker, beat, ingest and two agents")
+    stack = DemoStack.start(tmp, database_url, redis_url, ROLLOUTS_DRAIN_GRACE_S="3600")
     traffic: Traffic | None = None
     monitor: RoutingMonitor | None = None
     try:
-        _setup_django(stack.env)
+        stack.django_setup()
         from django.contrib.auth import get_user_model
 
         from controlplane.accounts.services import access_token_create
@@ -299,7 +178,7 @@ def measure(tmp: Path, drills: int, manual: int, ready_timeout: float) -> dict[s
         deployment = Deployment.objects.get(name=DEPLOYMENT)
         baseline_id = deployment.stable_version_id
         candidate = ModelVersion.objects.get(model__name=MODEL, label=CANDIDATE_LABEL)
-        credentials = json.loads((tmp / "demo" / "credentials.json").read_text())
+        credentials = stack.credentials
         oncall = get_user_model().objects.get(username="oncall")
         token = access_token_create(user=oncall, name="rollback-bench").raw_token
 
