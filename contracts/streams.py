@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 import time
 import uuid
 from collections.abc import Mapping
@@ -56,6 +57,14 @@ COMMAND_TTL_S = 300.0
 
 AGENT_NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 DIGEST_PATTERN = re.compile(r"^[0-9a-f]{64}$")
+ENDPOINT_PATTERN = re.compile(r"https?://[^\s/]+(:\d+)?/?")
+
+# Upper bounds that keep every accepted value storable (PostgreSQL bigint and integer
+# columns, datetimes before the year 10000): an entry the database would refuse is
+# malformed here, so it is dropped instead of failing its whole batch again and again.
+MAX_BIGINT = 2**63 - 1
+MAX_INTEGER = 2**31 - 1
+MAX_SENT_AT = 253_402_300_799.0  # 9999-12-31T23:59:59Z
 
 
 def commands_stream(agent_name: str) -> str:
@@ -119,7 +128,7 @@ def _required(data: Mapping[str, str], name: str) -> str:
     return value
 
 
-def _int(data: Mapping[str, str], name: str, *, minimum: int = 0) -> int:
+def _int(data: Mapping[str, str], name: str, *, minimum: int = 0, maximum: int = MAX_BIGINT) -> int:
     raw = _required(data, name)
     try:
         value = int(raw)
@@ -127,6 +136,8 @@ def _int(data: Mapping[str, str], name: str, *, minimum: int = 0) -> int:
         raise ContractError(f"{name}: not an integer: {raw[:40]!r}") from exc
     if value < minimum:
         raise ContractError(f"{name}: must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise ContractError(f"{name}: must be <= {maximum}, got {value}")
     return value
 
 
@@ -166,6 +177,8 @@ def _text(data: Mapping[str, str], name: str, *, max_length: int) -> str:
     value = _required(data, name)
     if len(value) > max_length:
         raise ContractError(f"{name}: longer than {max_length} characters")
+    if "\x00" in value:  # PostgreSQL text cannot hold it
+        raise ContractError(f"{name}: contains a NUL character")
     return value
 
 
@@ -185,7 +198,7 @@ def validate_agent_name(name: str) -> str:
 
 
 def validate_endpoint(endpoint: str) -> str:
-    if endpoint and not re.fullmatch(r"https?://[^\s/]+(:\d+)?/?", endpoint):
+    if endpoint and not ENDPOINT_PATTERN.fullmatch(endpoint):
         raise ContractError(f"endpoint: {endpoint[:80]!r} is not an http(s) URL of a host")
     return endpoint
 
@@ -259,19 +272,20 @@ class Heartbeat:
 # The numbers travel in one JSON field (`figures`): the stream's reader pays per field
 # (Redis protocol parsing in Python), and ingest reads thousands of entries a second.
 FIGURES_FIELD = "figures"
-INT_FIGURES = (
-    "running",
-    "waiting",
-    "prompt_tokens",
-    "generated_tokens",
-    "requests_ok",
-    "requests_failed",
-    "requests_aborted",
-    "prompt_tokens_total",
-    "generated_tokens_total",
-    "requests_ok_total",
-    "requests_failed_total",
-)
+# name -> maximum; all are integers >= 0 (the maximum is what the rollup column holds).
+INT_FIGURES: dict[str, int] = {
+    "running": MAX_INTEGER,
+    "waiting": MAX_INTEGER,
+    "prompt_tokens": MAX_BIGINT,
+    "generated_tokens": MAX_BIGINT,
+    "requests_ok": MAX_BIGINT,
+    "requests_failed": MAX_BIGINT,
+    "requests_aborted": MAX_BIGINT,
+    "prompt_tokens_total": MAX_BIGINT,
+    "generated_tokens_total": MAX_BIGINT,
+    "requests_ok_total": MAX_BIGINT,
+    "requests_failed_total": MAX_BIGINT,
+}
 # name -> maximum (None: unbounded); all must be finite and >= 0.
 FLOAT_FIGURES: dict[str, float | None] = {
     "kv_cache_usage": 1.0,
@@ -295,6 +309,10 @@ def _figure_number(figures: Mapping[str, Any], name: str, maximum: float | None)
     value = figures[name]
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ContractError(f"figures.{name}: not a number: {str(value)[:40]!r}")
+    if isinstance(value, int) and value > sys.float_info.max:  # float() would overflow
+        raise ContractError(
+            f"figures.{name}: must be finite, got an integer of {value.bit_length()} bits"
+        )
     if not math.isfinite(value) or value < 0:
         raise ContractError(f"figures.{name}: must be finite and >= 0, got {value}")
     if maximum is not None and value > maximum:
@@ -303,7 +321,17 @@ def _figure_number(figures: Mapping[str, Any], name: str, maximum: float | None)
 
 
 def parse_heartbeat(data: Mapping[str, str]) -> Heartbeat:
-    """Validate one heartbeat entry; raises ContractError naming the first bad field."""
+    """Validate one heartbeat entry; raises ContractError naming the first bad field.
+
+    Ingest reads thousands a second, so a valid entry takes a fast path of plain
+    comparisons (`_parse_heartbeat_fast`); whatever it does not accept is checked again
+    field by field (`_parse_heartbeat_checked`, the definition), which names the problem.
+    """
+    heartbeat = _parse_heartbeat_fast(data)
+    return heartbeat if heartbeat is not None else _parse_heartbeat_checked(data)
+
+
+def _parse_heartbeat_checked(data: Mapping[str, str]) -> Heartbeat:
     version = data.get("v")
     if version != SCHEMA_VERSION:
         raise ContractError(f"v: unsupported schema version {version!r}")
@@ -316,23 +344,27 @@ def parse_heartbeat(data: Mapping[str, str]) -> Heartbeat:
         figures = json.loads(_required(data, FIGURES_FIELD))
     except json.JSONDecodeError as exc:
         raise ContractError(f"{FIGURES_FIELD}: not JSON ({exc.msg})") from exc
+    except RecursionError as exc:
+        raise ContractError(f"{FIGURES_FIELD}: nested too deeply") from exc
     if not isinstance(figures, dict):
         raise ContractError(f"{FIGURES_FIELD}: must be a JSON object")
     numbers: dict[str, Any] = {}
-    for name in INT_FIGURES:
+    for name, maximum in INT_FIGURES.items():
         value = figures.get(name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ContractError(f"figures.{name}: must be an integer >= 0, got {value!r}")
+        if value > maximum:
+            raise ContractError(f"figures.{name}: must be <= {maximum}, got {value}")
         numbers[name] = value
-    for name, maximum in FLOAT_FIGURES.items():
-        numbers[name] = _figure_number(figures, name, maximum)
+    for name, limit in FLOAT_FIGURES.items():
+        numbers[name] = _figure_number(figures, name, limit)
     for name in OPTIONAL_FIGURES:
         is_null = figures.get(name, 0) is None
         numbers[name] = None if is_null else _figure_number(figures, name, None)
     return Heartbeat(
         agent=validate_agent_name(_required(data, "agent")),
         seq=_int(data, "seq"),
-        sent_at=_float(data, "sent_at"),
+        sent_at=_float(data, "sent_at", maximum=MAX_SENT_AT),
         host=_text(data, "host", max_length=255),
         endpoint=validate_endpoint(_text(data, "endpoint", max_length=255)),
         state=_choice(data, "state", AgentState),
@@ -340,6 +372,109 @@ def parse_heartbeat(data: Mapping[str, str]) -> Heartbeat:
         version_digest=digest,
         detail=_text(data, "detail", max_length=1000),
         energy_source=_choice(data, "energy_source", EnergySource),
+        **numbers,
+    )
+
+
+# The fast path's tables: every bound as a number (comparisons with NaN are false, so
+# `0 <= value <= limit` also refuses NaN, and infinity exceeds the largest float).
+_INT_LIMITS = tuple(INT_FIGURES.items())
+_FLOAT_LIMITS = tuple(
+    (name, sys.float_info.max if maximum is None else maximum)
+    for name, maximum in FLOAT_FIGURES.items()
+)
+_LARGEST_FLOAT = sys.float_info.max
+_STATES = {member.value: member for member in AgentState}
+_ENERGY_SOURCES = {member.value: member for member in EnergySource}
+
+
+def _parse_heartbeat_fast(data: Mapping[str, str]) -> Heartbeat | None:
+    """The same checks as `_parse_heartbeat_checked` for a valid entry, without naming
+    anything: None for any entry it is not sure of. Never accepts what that refuses."""
+    try:
+        raw_figures, version_id_raw, raw_seq, raw_sent_at = (
+            data[FIGURES_FIELD],
+            data["version_id"],
+            data["seq"],
+            data["sent_at"],
+        )
+        if (
+            data["v"] != SCHEMA_VERSION
+            or type(raw_figures) is not str  # json.loads, int() and float() take bytes too
+            or type(version_id_raw) is not str
+            or type(raw_seq) is not str
+            or type(raw_sent_at) is not str
+        ):
+            return None
+        figures = json.loads(raw_figures)
+        if type(figures) is not dict:
+            return None
+        numbers: dict[str, Any] = {}
+        for name, int_limit in _INT_LIMITS:
+            value = figures[name]
+            if type(value) is not int or not 0 <= value <= int_limit:
+                return None
+            numbers[name] = value
+        for name, float_limit in _FLOAT_LIMITS:
+            value = figures[name]
+            kind = type(value)
+            if (kind is not float and kind is not int) or not 0 <= value <= float_limit:
+                return None
+            numbers[name] = float(value)
+        for name in OPTIONAL_FIGURES:
+            value = figures[name]
+            if value is not None:
+                kind = type(value)
+                if (kind is not float and kind is not int) or not 0 <= value <= _LARGEST_FLOAT:
+                    return None
+                value = float(value)
+            numbers[name] = value
+        agent, host, endpoint, detail = (
+            data["agent"],
+            data["host"],
+            data["endpoint"],
+            data["detail"],
+        )
+        if (
+            type(agent) is not str
+            or type(host) is not str
+            or type(endpoint) is not str
+            or type(detail) is not str
+            or not AGENT_NAME_PATTERN.fullmatch(agent)
+            or len(host) > 255
+            or len(endpoint) > 255
+            or len(detail) > 1000
+            or "\x00" in host
+            or "\x00" in endpoint
+            or "\x00" in detail
+            or (endpoint and not ENDPOINT_PATTERN.fullmatch(endpoint))
+        ):
+            return None
+        digest = data["version_digest"]
+        if type(digest) is not str or (digest and not DIGEST_PATTERN.fullmatch(digest)):
+            return None
+        version_id = None if version_id_raw == "" else int(version_id_raw)
+        seq, sent_at = int(raw_seq), float(raw_sent_at)
+        if (
+            (version_id is not None and not 1 <= version_id <= MAX_BIGINT)
+            or not 0 <= seq <= MAX_BIGINT
+            or not 0 <= sent_at <= MAX_SENT_AT
+        ):
+            return None
+        state, energy_source = _STATES[data["state"]], _ENERGY_SOURCES[data["energy_source"]]
+    except (KeyError, TypeError, ValueError, OverflowError, RecursionError):
+        return None
+    return Heartbeat(
+        agent=agent,
+        seq=seq,
+        sent_at=sent_at,
+        host=host,
+        endpoint=endpoint,
+        state=state,
+        version_id=version_id,
+        version_digest=digest,
+        detail=detail,
+        energy_source=energy_source,
         **numbers,
     )
 

@@ -1,9 +1,10 @@
 """Reading Redis streams with consumer groups, at least once, for the ingest process.
 
-Each stream has one handler. An entry is acknowledged only after its handler
-has written it (so a crash re-delivers it, and handlers are idempotent); a
-malformed entry is counted and acknowledged so that it never blocks the stream;
-entries left pending by a dead consumer are claimed after `claim_idle_ms`.
+Each stream has one handler. A batch (up to `batch_size` entries, one XREADGROUP) is
+parsed entry by entry, applied by the handler in one call, and acknowledged in one XACK
+only after that (so a crash re-delivers it, and handlers are idempotent); an entry that
+does not parse is counted as malformed and acknowledged so that it never blocks the
+stream; entries left pending by a dead consumer are claimed after `claim_idle_ms`.
 
 `on_tick(is_caught_up)` runs every `tick_every_s` whether or not entries keep coming
 (periodic work such as lost-agent detection must not wait for an idle moment);
@@ -32,6 +33,19 @@ CLAIMED_TOTAL = Counter(
 BATCH_SECONDS = Histogram("ingest_batch_seconds", "Time to apply one batch of entries", ["stream"])
 
 
+def ingest_client(url: str) -> redis.Redis:
+    """A Redis client as ingest reads with: replies decoded by the reader (hiredis, in C),
+    bytes that are not UTF-8 replaced by U+FFFD so that such an entry is refused as
+    malformed rather than failing every read of its batch, and timeouts."""
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=10,
+        socket_connect_timeout=5,
+        decode_responses=True,
+        encoding_errors="replace",
+    )
+
+
 class MalformedEntry(ValueError):
     """The entry cannot be understood; it is counted and dropped."""
 
@@ -50,7 +64,7 @@ class StreamIngestor:
     group: str
     consumer: str
     handlers: Mapping[str, StreamHandler]
-    batch_size: int = 500
+    batch_size: int = 2000
     block_ms: int = 1000
     claim_idle_ms: int = 30_000
     claim_every_s: float = 5.0
@@ -71,22 +85,34 @@ class StreamIngestor:
                     raise
 
     def _process(self, stream: str, entries: Sequence[tuple[Any, Any]]) -> int:
+        """Parse a batch, apply it (one call: the handler coalesces and commits it), then
+        acknowledge every entry of it, malformed ones included, in one XACK."""
         handler = self.handlers[stream]
         parsed: list[Any] = []
         ids: list[str] = []
         for raw_id, raw_fields in entries:
-            entry_id = _text(raw_id)
+            if type(raw_id) is str:  # a client that decodes replies (hiredis does it in C)
+                entry_id, fields = raw_id, raw_fields
+            else:
+                entry_id = _text(raw_id)
+                fields = (
+                    None
+                    if raw_fields is None
+                    else {_text(k): _text(v) for k, v in raw_fields.items()}
+                )
             ids.append(entry_id)
-            if raw_fields is None:  # deleted while pending
+            if fields is None:  # deleted while pending
                 continue
-            fields = {_text(k): _text(v) for k, v in raw_fields.items()}
             try:
                 parsed.append(handler.parse(entry_id, fields))
-            except MalformedEntry as exc:
+            except Exception as exc:
+                # Malformed, or a parser that cannot cope with it: either way this entry
+                # would fail again on every delivery, so it must not hold up the stream.
                 MALFORMED_TOTAL.labels(stream).inc()
                 logger.warning(
                     "dropping malformed entry",
                     extra={"stream": stream, "entry_id": entry_id, "reason": str(exc)},
+                    exc_info=not isinstance(exc, MalformedEntry),
                 )
         if parsed:
             with BATCH_SECONDS.labels(stream).time():
@@ -185,4 +211,6 @@ class StreamIngestor:
 
 
 def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    # Undecodable bytes become U+FFFD: an entry that cannot be decoded must still be
+    # parsed (and refused), or it would come back forever.
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

@@ -17,7 +17,6 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 from django.conf import settings
 from prometheus_client import Counter, Gauge
@@ -27,6 +26,7 @@ from contracts.streams import (
     RESULTS_STREAM,
     CommandResult,
     ContractError,
+    Heartbeat,
     parse_command_result,
     parse_heartbeat,
 )
@@ -59,9 +59,13 @@ def entry_time(entry_id: str) -> datetime:
 
 @dataclass
 class LiveFleet:
-    """What ingest has seen since the last live update, shared by the handlers and the ticker."""
+    """What ingest has seen since the last live update, shared by the handlers and the ticker.
 
-    figures: dict[str, dict[str, Any]] = field(default_factory=dict)
+    The newest heartbeat of each agent is kept as it is; the ticker makes the live figures
+    of the few it sends (at most LIVE_FIGURES_MAX_AGENTS a second), not every batch.
+    """
+
+    heartbeats: dict[str, Heartbeat] = field(default_factory=dict)
     lag_s: float = float("inf")
 
 
@@ -98,7 +102,7 @@ class HeartbeatHandler:
                     "truncated": len(changes) > LIVE_FIGURES_MAX_AGENTS,
                 },
             )
-        self.live.figures.update(outcome.figures)
+        self.live.heartbeats.update(outcome.latest)
 
 
 class CommandResultHandler:
@@ -144,15 +148,15 @@ class FleetTicker:
                 LOST_TOTAL.inc()
                 logger.warning("agent %s lost: %s", event["agent"], event["detail"])
             services.fleet_events_publish([("agent.state", event) for event in events])
-        if self.live.figures and now - self._last_figures >= LIVE_FIGURES_EVERY_S:
+        if self.live.heartbeats and now - self._last_figures >= LIVE_FIGURES_EVERY_S:
             self._last_figures = now
-            figures, self.live.figures = self.live.figures, {}
-            names = sorted(figures)[:LIVE_FIGURES_MAX_AGENTS]
+            heartbeats, self.live.heartbeats = self.live.heartbeats, {}
+            names = sorted(heartbeats)[:LIVE_FIGURES_MAX_AGENTS]
             services.fleet_event_publish(
                 "fleet.figures",
                 {
-                    "agents": {name: figures[name] for name in names},
-                    "truncated": len(figures) > len(names),
+                    "agents": {name: services.compact_figures(heartbeats[name]) for name in names},
+                    "truncated": len(heartbeats) > len(names),
                 },
             )
         if now - self._last_prune >= PRUNE_EVERY_S:

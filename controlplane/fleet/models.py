@@ -44,7 +44,10 @@ class Agent(models.Model):
     figures = models.JSONField(default=dict, blank=True)
     # When ingest last heard of it (the Redis entry's time), and the agent's own send time and
     # sequence number of that heartbeat (which orders heartbeats applied out of order).
-    last_seen = models.DateTimeField(null=True, blank=True, db_index=True)
+    # Not indexed: every heartbeat changes it, and an index on it would make every one of
+    # those updates write all the table's indexes (no HOT update); the lost-agent check
+    # reads the whole (small) table anyway.
+    last_seen = models.DateTimeField(null=True, blank=True)
     last_sent_at = models.DateTimeField(null=True, blank=True)
     last_seq = models.PositiveBigIntegerField(default=0)
     registered_at = models.DateTimeField()
@@ -76,7 +79,11 @@ class AgentSample(models.Model):
     requests) are differences of the agent's cumulative totals: see selectors.agent_history.
     """
 
-    agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="samples")
+    # Indexed by the unique (agent, bucket_start) constraint; a second index would only
+    # slow the upserts ingest makes for every heartbeat.
+    agent = models.ForeignKey(
+        Agent, on_delete=models.CASCADE, related_name="samples", db_index=False
+    )
     bucket_start = models.DateTimeField()
     first_sent_at = models.DateTimeField()
     last_sent_at = models.DateTimeField()

@@ -350,6 +350,33 @@ def command_results_apply(*, results: Sequence[CommandResult]) -> list[dict[str,
 
 
 # Heartbeats.
+#
+# Per batch, everything is coalesced before the database sees it: one UPDATE row per agent
+# (its newest heartbeat) and one rollup row per (agent, bucket), written by one statement
+# each. On PostgreSQL the rows travel as one JSON document (`json_to_recordset`): encoding
+# it is one call into C, where binding arrays or a VALUES list costs a Python call per
+# value. Times travel as whole microseconds since the epoch (exact, and JSON has no dates).
+
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+ONE_MICROSECOND = timedelta(microseconds=1)
+ROLLUP_MICROSECONDS = ROLLUP_SECONDS * 1_000_000
+
+
+def _micros(seconds: float) -> int:
+    return round(seconds * 1_000_000)
+
+
+def _micros_of(moment: datetime) -> int:
+    return (_aware(moment) - EPOCH) // ONE_MICROSECOND
+
+
+def _moment(micros: int) -> datetime:
+    return EPOCH + timedelta(microseconds=micros)
+
+
+def _aware(moment: datetime) -> datetime:
+    # A raw SQLite cursor hands back naive datetimes (UTC); PostgreSQL aware ones.
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 @dataclass
@@ -357,7 +384,8 @@ class HeartbeatBatchOutcome:
     applied: int = 0
     unknown_agents: set[str] = field(default_factory=set)
     state_events: list[dict[str, Any]] = field(default_factory=list)
-    figures: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Each agent's newest heartbeat applied in the batch (the live figures are made from it).
+    latest: dict[str, Heartbeat] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -366,9 +394,13 @@ class ReceivedHeartbeat:
     received_at: datetime  # the Redis entry id's time
 
 
-def _bucket_start(moment: datetime) -> datetime:
-    seconds = int(moment.timestamp())
-    return datetime.fromtimestamp(seconds - seconds % ROLLUP_SECONDS, tz=UTC)
+@dataclass(slots=True)
+class LockedAgent:
+    id: int
+    state: str
+    detail: str
+    last_seen_micros: int | None
+    last_sent_micros: int | None
 
 
 def compact_figures(heartbeat: Heartbeat) -> dict[str, Any]:
@@ -412,11 +444,13 @@ SAMPLE_LEAST = (
 )
 SAMPLE_LATEST = ("state", "version_id", "energy_source")
 SAMPLE_COLUMNS = ("agent_id", "bucket_start", *SAMPLE_GREATEST, *SAMPLE_LEAST, *SAMPLE_LATEST)
+SAMPLE_TIMES = frozenset({"bucket_start", "first_sent_at", "last_sent_at"})
+# How each column travels in the JSON rows (times as bigint microseconds).
 SAMPLE_TYPES = {
     "agent_id": "bigint",
-    "bucket_start": "timestamptz",
-    "first_sent_at": "timestamptz",
-    "last_sent_at": "timestamptz",
+    "bucket_start": "bigint",
+    "first_sent_at": "bigint",
+    "last_sent_at": "bigint",
     "state": "varchar",
     "version_id": "bigint",
     "energy_source": "varchar",
@@ -450,8 +484,11 @@ SAMPLE_TYPES = {
 }
 
 
-def _merge_sample(row: dict[str, Any], heartbeat: Heartbeat, sent_at: datetime) -> None:
-    values = {
+def _sample_row(agent_id: int, heartbeat: Heartbeat, sent_micros: int) -> dict[str, Any]:
+    """One heartbeat as a rollup row (keys SAMPLE_COLUMNS, times in microseconds)."""
+    return {
+        "agent_id": agent_id,
+        "bucket_start": sent_micros - sent_micros % ROLLUP_MICROSECONDS,
         "running_max": heartbeat.running,
         "waiting_max": heartbeat.waiting,
         "kv_cache_usage_max": heartbeat.kv_cache_usage,
@@ -464,28 +501,32 @@ def _merge_sample(row: dict[str, Any], heartbeat: Heartbeat, sent_at: datetime) 
         "prompt_tokens_total_max": heartbeat.prompt_tokens_total,
         "requests_ok_total_max": heartbeat.requests_ok_total,
         "requests_failed_total_max": heartbeat.requests_failed_total,
-        "last_sent_at": sent_at,
-    }
-    minimums = {
+        "last_sent_at": sent_micros,
         "energy_joules_min": heartbeat.energy_joules,
         "generated_tokens_total_min": heartbeat.generated_tokens_total,
         "prompt_tokens_total_min": heartbeat.prompt_tokens_total,
         "requests_ok_total_min": heartbeat.requests_ok_total,
         "requests_failed_total_min": heartbeat.requests_failed_total,
-        "first_sent_at": sent_at,
+        "first_sent_at": sent_micros,
+        "state": heartbeat.state.value,
+        "version_id": heartbeat.version_id,
+        "energy_source": heartbeat.energy_source.value,
     }
-    is_latest = "last_sent_at" not in row or sent_at >= row["last_sent_at"]
-    for name, value in values.items():
-        current = row.get(name)
-        if current is None or (value is not None and value > current):
+
+
+def _merge_sample(row: dict[str, Any], other: dict[str, Any]) -> None:
+    """Fold `other` (same agent and bucket) into `row` the way the upsert folds a row into
+    the table's, so a batch writes each (agent, bucket) once with the same result."""
+    is_latest = other["last_sent_at"] >= row["last_sent_at"]
+    for name in SAMPLE_GREATEST:
+        value = other[name]
+        if value is not None and (row[name] is None or value > row[name]):
             row[name] = value
-    for name, value in minimums.items():
-        current = row.get(name)
-        row[name] = value if current is None else min(current, value)
+    for name in SAMPLE_LEAST:  # never null
+        row[name] = min(row[name], other[name])
     if is_latest:
-        row["state"] = heartbeat.state.value
-        row["version_id"] = heartbeat.version_id
-        row["energy_source"] = heartbeat.energy_source.value
+        for name in SAMPLE_LATEST:
+            row[name] = other[name]
 
 
 def _greatest(column: str, table: str) -> str:
@@ -503,13 +544,17 @@ def _least(column: str, table: str) -> str:
 
 
 def _server_binding_cursor() -> Any:
-    """A psycopg cursor on Django's connection (same transaction) that binds parameters on
-    the server, so arrays can travel in binary (`%b`): Django's client-side binding quotes
-    every array element in Python, which costs more than the statement itself."""
+    """A psycopg cursor on Django's connection (same transaction) that sends parameters
+    apart from the statement: Django's client-side binding would quote the rows' JSON
+    document into the SQL text."""
     import psycopg
 
     connection.ensure_connection()
     return psycopg.Cursor(connection.connection)
+
+
+def _from_micros_sql(expression: str) -> str:
+    return f"(TIMESTAMPTZ 'epoch' + {expression} * INTERVAL '1 microsecond')"
 
 
 def _upsert_samples(rows: list[dict[str, Any]]) -> None:
@@ -530,13 +575,16 @@ def _upsert_samples(rows: list[dict[str, Any]]) -> None:
     insert = f"INSERT INTO {table} ({', '.join(SAMPLE_COLUMNS)})"
     on_conflict = f"ON CONFLICT (agent_id, bucket_start) DO UPDATE SET {assignments}"
     if connection.vendor == "postgresql":
-        # One array per column: a statement with a fixed, small number of parameters (a VALUES
-        # list of 500 rows has 15,500, and the driver's query parsing then dominates).
-        arrays = ", ".join(f"%b::{SAMPLE_TYPES[column]}[]" for column in SAMPLE_COLUMNS)
+        record = ", ".join(f"{column} {SAMPLE_TYPES[column]}" for column in SAMPLE_COLUMNS)
+        values = ", ".join(
+            _from_micros_sql(f"v.{column}") if column in SAMPLE_TIMES else f"v.{column}"
+            for column in SAMPLE_COLUMNS
+        )
         with _server_binding_cursor() as cursor:
             cursor.execute(
-                f"{insert} SELECT * FROM UNNEST({arrays}) {on_conflict}",  # noqa: S608
-                [[row[column] for row in rows] for column in SAMPLE_COLUMNS],
+                f"{insert} SELECT {values} FROM json_to_recordset(%s::json) AS v({record}) "  # noqa: S608
+                f"{on_conflict}",
+                [json.dumps(rows, separators=(",", ":"))],
             )
         return
     placeholders = "(" + ", ".join(["%s"] * len(SAMPLE_COLUMNS)) + ")"
@@ -545,93 +593,101 @@ def _upsert_samples(rows: list[dict[str, Any]]) -> None:
         for start in range(0, len(rows), chunk_rows):
             chunk = rows[start : start + chunk_rows]
             # Only constant identifiers are formatted in; every value is a parameter.
-            values = ", ".join([placeholders] * len(chunk))
-            sql = f"{insert} VALUES {values} {on_conflict}"
-            params = [row[column] for row in chunk for column in SAMPLE_COLUMNS]
+            sql = f"{insert} VALUES {', '.join([placeholders] * len(chunk))} {on_conflict}"
+            params = [
+                _moment(row[column]) if column in SAMPLE_TIMES else row[column]
+                for row in chunk
+                for column in SAMPLE_COLUMNS
+            ]
             cursor.execute(sql, params)
 
 
-AGENT_UPDATE_COLUMNS = (
-    "state",
-    "detail",
-    "endpoint",
-    "loaded_version_id",
-    "loaded_digest",
-    "figures",
-    "last_seen",
-    "last_sent_at",
-    "last_seq",
-    "updated_at",
-)
+# The agent columns a heartbeat sets, and how each travels in the JSON rows.
+AGENT_UPDATE_TYPES = {
+    "state": "varchar",
+    "detail": "text",
+    "endpoint": "varchar",
+    "loaded_version_id": "bigint",
+    "loaded_digest": "varchar",
+    "figures": "jsonb",
+    "last_seen": "bigint",
+    "last_sent_at": "bigint",
+    "last_seq": "bigint",
+    "updated_at": "bigint",
+}
+AGENT_UPDATE_TIMES = frozenset({"last_seen", "last_sent_at", "updated_at"})
 
 
-# PostgreSQL types of AGENT_UPDATE_COLUMNS, for the VALUES list of the batched UPDATE.
-AGENT_UPDATE_TYPES = (
-    "varchar",
-    "text",
-    "varchar",
-    "bigint",
-    "varchar",
-    "jsonb",
-    "timestamptz",
-    "timestamptz",
-    "bigint",
-    "timestamptz",
-)
-
-
-def _update_agents(agents: list[Agent]) -> None:
-    """Write the agents' new state in one statement on PostgreSQL (UPDATE ... FROM VALUES),
-    one parametrised UPDATE per agent elsewhere (the demo's SQLite). The ORM's bulk_update
-    builds CASE expressions that cost seconds per 500 rows."""
+def _update_agents(rows: list[dict[str, Any]]) -> None:
+    """Write the agents' new state (rows keyed by `id` and AGENT_UPDATE_TYPES) in one
+    statement on PostgreSQL, one parametrised UPDATE per agent elsewhere (the demo's
+    SQLite). The ORM's bulk_update builds CASE expressions that cost seconds per 500 rows."""
     table = Agent._meta.db_table
-    rows = [
-        (
-            agent.state,
-            agent.detail,
-            agent.endpoint,
-            agent.loaded_version_id,
-            agent.loaded_digest,
-            json.dumps(agent.figures),
-            agent.last_seen,
-            agent.last_sent_at,
-            agent.last_seq,
-            agent.updated_at,
-            agent.pk,
-        )
-        for agent in agents
-    ]
     if connection.vendor == "postgresql":
-        # One array per column (see _upsert_samples).
-        arrays = ", ".join(f"%b::{kind}[]" for kind in ("bigint", *AGENT_UPDATE_TYPES))
-        names = ", ".join(("id", *AGENT_UPDATE_COLUMNS))
-        assignments = ", ".join(f"{column} = v.{column}" for column in AGENT_UPDATE_COLUMNS)
-        columns = [list(column) for column in zip(*rows, strict=True)]
+        record = ", ".join(f"{column} {kind}" for column, kind in AGENT_UPDATE_TYPES.items())
+        assignments = ", ".join(
+            f"{column} = "
+            + (_from_micros_sql(f"v.{column}") if column in AGENT_UPDATE_TIMES else f"v.{column}")
+            for column in AGENT_UPDATE_TYPES
+        )
         with _server_binding_cursor() as cursor:
             cursor.execute(
-                f"UPDATE {table} AS a SET {assignments} FROM UNNEST({arrays}) "  # noqa: S608
-                f"AS v({names}) WHERE a.id = v.id",
-                [columns[-1], *columns[:-1]],
+                f"UPDATE {table} AS a SET {assignments} "  # noqa: S608
+                f"FROM json_to_recordset(%s::json) AS v(id bigint, {record}) WHERE a.id = v.id",
+                [json.dumps(rows, separators=(",", ":"))],
             )
         return
+
+    def parameter(column: str, value: Any) -> Any:
+        if column in AGENT_UPDATE_TIMES:
+            return _moment(value)
+        return json.dumps(value) if column == "figures" else value
+
+    params = [
+        [*(parameter(column, row[column]) for column in AGENT_UPDATE_TYPES), row["id"]]
+        for row in rows
+    ]
+    assignments = ", ".join(f"{column} = %s" for column in AGENT_UPDATE_TYPES)
     with connection.cursor() as cursor:
-        assignments = ", ".join(f"{column} = %s" for column in AGENT_UPDATE_COLUMNS)
-        cursor.executemany(f"UPDATE {table} SET {assignments} WHERE id = %s", rows)  # noqa: S608
+        cursor.executemany(f"UPDATE {table} SET {assignments} WHERE id = %s", params)  # noqa: S608
 
 
-def _lock_agents(names: set[str]) -> dict[str, Agent]:
+def _lock_agents(names: set[str]) -> dict[str, LockedAgent]:
     """The named agents, locked in id order (so concurrent ingest processes cannot deadlock),
     with only the columns decided on: this runs for every batch."""
     table = Agent._meta.db_table
-    in_names = ", ".join(["%s"] * len(names))
-    # SQLite has no row locks; its writes are serialised by the database lock instead.
-    for_update = " FOR UPDATE" if connection.features.has_select_for_update else ""
-    query = Agent.objects.raw(
-        f"SELECT id, name, state, last_seen, last_sent_at FROM {table} "  # noqa: S608
-        f"WHERE name IN ({in_names}) ORDER BY id{for_update}",
-        sorted(names),
-    )
-    return {agent.name: agent for agent in query}
+    if connection.vendor == "postgresql":
+        # Times as microseconds (EXTRACT gives an exact numeric): loading timestamps
+        # through Django's time-zone aware loader costs more than the query.
+        times = ", ".join(
+            f"(EXTRACT(EPOCH FROM {column}) * 1000000)::bigint"
+            for column in ("last_seen", "last_sent_at")
+        )
+        listed = "SELECT json_array_elements_text(%s::json)"
+        for_update = " FOR UPDATE"
+    else:  # SQLite: no row locks (writes are serialised by the database lock instead)
+        times, listed, for_update = "last_seen, last_sent_at", "SELECT value FROM json_each(%s)", ""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT id, name, state, detail, {times} FROM {table} "  # noqa: S608
+            f"WHERE name IN ({listed}) ORDER BY id{for_update}",
+            [json.dumps(sorted(names))],
+        )
+        rows = cursor.fetchall()
+    return {
+        name: LockedAgent(
+            id=agent_id,
+            state=state,
+            detail=detail,
+            last_seen_micros=_as_micros(last_seen),
+            last_sent_micros=_as_micros(last_sent_at),
+        )
+        for agent_id, name, state, detail, last_seen, last_sent_at in rows
+    }
+
+
+def _as_micros(value: int | datetime | None) -> int | None:
+    return value if value is None or isinstance(value, int) else _micros_of(value)
 
 
 @transaction.atomic
@@ -640,62 +696,89 @@ def heartbeats_apply(
 ) -> HeartbeatBatchOutcome:
     """Apply a batch of heartbeats: each agent's latest state and figures, and the rollups.
 
-    Idempotent and order-safe (see the module docstring). Heartbeats of agents that never
-    registered are skipped and reported in `unknown_agents`.
+    Idempotent and order-safe (see the module docstring), and the same whether heartbeats
+    come in one batch or several. Heartbeats of agents that never registered are skipped
+    and reported in `unknown_agents`.
     """
     now = now or timezone.now()
-    lost_after = timedelta(seconds=settings.FLEET_LOST_AFTER_S)
+    stale_before = now - timedelta(seconds=settings.FLEET_LOST_AFTER_S)
     outcome = HeartbeatBatchOutcome()
-    names = {item.heartbeat.agent for item in received}
-    agents = _lock_agents(names)
-    outcome.unknown_agents = names - set(agents)
-    version_ids = {item.heartbeat.version_id for item in received if item.heartbeat.version_id}
-    existing_versions = set(
-        ModelVersion.objects.filter(pk__in=version_ids).values_list("pk", flat=True)
-    )
-    samples: dict[tuple[int, datetime], dict[str, Any]] = {}
-    latest: dict[str, ReceivedHeartbeat] = {}
+    agents = _lock_agents({item.heartbeat.agent for item in received})
+    samples: dict[tuple[int, int], dict[str, Any]] = {}
+    latest: dict[str, tuple[int, ReceivedHeartbeat]] = {}
     for item in received:
         heartbeat = item.heartbeat
         agent = agents.get(heartbeat.agent)
         if agent is None:
+            outcome.unknown_agents.add(heartbeat.agent)
             continue
         outcome.applied += 1
-        sent_at = datetime.fromtimestamp(heartbeat.sent_at, tz=UTC)
-        key = (agent.pk, _bucket_start(sent_at))
-        row = samples.setdefault(key, {"agent_id": key[0], "bucket_start": key[1]})
-        _merge_sample(row, heartbeat, sent_at)
+        sent_micros = _micros(heartbeat.sent_at)
+        row = _sample_row(agent.id, heartbeat, sent_micros)
+        key = (agent.id, row["bucket_start"])
+        merged = samples.get(key)
+        if merged is None:
+            samples[key] = row
+        else:
+            _merge_sample(merged, row)
         best = latest.get(heartbeat.agent)
-        if best is None or heartbeat.sent_at > best.heartbeat.sent_at:
-            latest[heartbeat.agent] = item
-    changed: list[Agent] = []
-    for name, item in latest.items():
+        if best is None or sent_micros > best[0]:
+            latest[heartbeat.agent] = (sent_micros, item)
+    version_ids = {
+        item.heartbeat.version_id for _, item in latest.values() if item.heartbeat.version_id
+    }
+    existing_versions = (
+        set(ModelVersion.objects.filter(pk__in=version_ids).values_list("pk", flat=True))
+        if version_ids
+        else set()
+    )
+    now_micros = _micros_of(now)
+    updates: list[dict[str, Any]] = []
+    for name, (sent_micros, item) in latest.items():
         agent, heartbeat = agents[name], item.heartbeat
-        sent_at = datetime.fromtimestamp(heartbeat.sent_at, tz=UTC)
-        if agent.last_sent_at is not None and sent_at <= agent.last_sent_at:
+        if agent.last_sent_micros is not None and sent_micros <= agent.last_sent_micros:
             continue  # an older heartbeat than the one applied already
         received_at = min(item.received_at, now)
-        is_stale = received_at < now - lost_after
-        old_state = agent.state
-        if not (old_state == AgentState.LOST and is_stale):
-            agent.state = heartbeat.state.value
-            agent.detail = heartbeat.detail
-        agent.endpoint = heartbeat.endpoint
-        agent.loaded_version_id = (
-            heartbeat.version_id if heartbeat.version_id in existing_versions else None
+        state, detail = heartbeat.state.value, heartbeat.detail
+        if agent.state == AgentState.LOST and received_at < stale_before:
+            state, detail = agent.state, agent.detail  # a late heartbeat does not revive it
+        received_micros = _micros_of(received_at)
+        last_seen = (
+            received_micros
+            if agent.last_seen_micros is None
+            else max(agent.last_seen_micros, received_micros)
         )
-        agent.loaded_digest = heartbeat.version_digest
-        agent.figures = heartbeat.figures()
-        agent.last_seen = max(agent.last_seen or received_at, received_at)
-        agent.last_sent_at = sent_at
-        agent.last_seq = heartbeat.seq
-        agent.updated_at = now
-        changed.append(agent)
-        outcome.figures[name] = compact_figures(heartbeat)
-        if agent.state != old_state:
-            outcome.state_events.append({**agent_event_payload(agent), "previous": old_state})
-    if changed:
-        _update_agents(changed)
+        version_id = heartbeat.version_id if heartbeat.version_id in existing_versions else None
+        updates.append(
+            {
+                "id": agent.id,
+                "state": state,
+                "detail": detail,
+                "endpoint": heartbeat.endpoint,
+                "loaded_version_id": version_id,
+                "loaded_digest": heartbeat.version_digest,
+                "figures": heartbeat.figures(),
+                "last_seen": last_seen,
+                "last_sent_at": sent_micros,
+                "last_seq": heartbeat.seq,
+                "updated_at": now_micros,
+            }
+        )
+        outcome.latest[name] = heartbeat
+        if state != agent.state:
+            outcome.state_events.append(
+                {
+                    "agent": name,
+                    "state": state,
+                    "detail": detail,
+                    "endpoint": heartbeat.endpoint,
+                    "loaded_version_id": version_id,
+                    "last_seen": _moment(last_seen).isoformat(),
+                    "previous": agent.state,
+                }
+            )
+    if updates:
+        _update_agents(updates)
     if samples:
         _upsert_samples([samples[key] for key in sorted(samples)])
     return outcome

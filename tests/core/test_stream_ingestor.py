@@ -119,3 +119,49 @@ def test_two_consumers_in_one_group_share_entries_without_overlap(redis_client) 
     assert sorted(first.applied + second.applied) == list(range(12))
     assert first.applied
     assert second.applied
+
+
+def test_an_entry_the_parser_fails_on_is_dropped_as_malformed_not_retried(redis_client) -> None:
+    """A parser bug on one entry would otherwise fail its batch on every delivery."""
+
+    class FragileHandler(RecordingHandler):
+        def parse(self, entry_id: str, fields: Mapping[str, str]) -> int:
+            if fields.get("n") == "boom":
+                raise OverflowError("a parser that did not expect this")
+            return super().parse(entry_id, fields)
+
+    handler = FragileHandler()
+    ingestor = make_ingestor(redis_client, handler)
+    before = REGISTRY.get_sample_value("ingest_malformed_entries_total", {"stream": STREAM}) or 0
+    for n in ("1", "boom", "2"):
+        redis_client.xadd(STREAM, {"n": n})
+    ingestor.run_once()  # own pending (none)
+    ingestor.run_once()
+    after = REGISTRY.get_sample_value("ingest_malformed_entries_total", {"stream": STREAM})
+    assert handler.applied == [1, 2]
+    assert after - before == 1
+    assert pending_count(redis_client) == 0
+
+
+def test_a_batch_is_applied_in_one_call_and_acknowledged_after_it(redis_client) -> None:
+    class BatchRecorder(RecordingHandler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.batches: list[list[int]] = []
+            self.pending_during_apply: list[int] = []
+
+        def apply(self, items: Sequence[int]) -> None:
+            self.pending_during_apply.append(pending_count(redis_client))
+            self.batches.append(list(items))
+            super().apply(items)
+
+    handler = BatchRecorder()
+    ingestor = make_ingestor(redis_client, handler, batch_size=4)
+    for n in range(6):
+        redis_client.xadd(STREAM, {"n": str(n)})
+    ingestor.run_once()  # own pending (none)
+    ingestor.run_once()
+    ingestor.run_once()
+    assert handler.batches == [[0, 1, 2, 3], [4, 5]]
+    assert handler.pending_during_apply == [4, 2]  # nothing acknowledged before its apply
+    assert pending_count(redis_client) == 0

@@ -5,6 +5,7 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from django.conf import settings
 from django.utils import timezone
 from prometheus_client import REGISTRY
 
@@ -17,7 +18,7 @@ from contracts.streams import (
     CommandStatus,
 )
 from controlplane.audit.models import AuditEvent
-from controlplane.core.streams import StreamIngestor
+from controlplane.core.streams import StreamIngestor, ingest_client
 from controlplane.fleet import selectors, services
 from controlplane.fleet.ingest import FleetTicker, LiveFleet, stream_handlers
 from controlplane.fleet.models import Agent, AgentCommand, AgentSample
@@ -218,8 +219,21 @@ def test_ticker_publishes_live_figures(redis_client, users, live_group) -> None:
     event = live_group.receive()
     assert event["event"] == "fleet.figures"
     assert event["payload"]["truncated"] is False
-    assert event["payload"]["agents"]["agent-1"]["tokens_per_second"] == 33.5
-    assert live.figures == {}
+    assert event["payload"]["agents"] == {
+        "agent-1": {
+            "state": "ready",
+            "running": 1,
+            "waiting": 0,
+            "kv_cache_usage": 0.25,
+            "tokens_per_second": 33.5,
+            "power_watts": 40.0,
+            "energy_joules": 160.0,
+            "energy_source": "estimate",
+            "joules_per_token": 2.0,
+            "ttft_p95_s": 0.08,
+        }
+    }
+    assert live.heartbeats == {}
 
 
 def test_history_derives_sums_from_cumulative_totals(users) -> None:
@@ -317,3 +331,169 @@ def test_ticks_run_under_load_and_say_whether_ingest_is_caught_up(redis_client, 
     ingestor.tick()
     assert calls == [False, False, True]
     assert Agent.objects.get(name="agent-1").last_seq == 3
+
+
+# Coalescing: a batch is written as one row per agent and one per (agent, bucket).
+
+
+def _coalescing_heartbeats() -> list:
+    """Two agents over two rollup buckets, peaks and states out of send order."""
+    start = datetime(2030, 1, 1, 12, 0, 4, tzinfo=UTC).timestamp()
+    beats = [
+        heartbeat(seq=1, sent_at=start, running=2, kv_cache_usage=0.1, ttft_p95_s=None),
+        heartbeat(seq=2, sent_at=start + 2, running=7, kv_cache_usage=0.3, ttft_p95_s=0.5),
+        heartbeat(seq=3, sent_at=start + 4, running=1, kv_cache_usage=0.9, ttft_p95_s=0.2),
+        heartbeat(seq=4, sent_at=start + 7, running=4, ttft_p95_s=None),  # next bucket
+        heartbeat(seq=5, sent_at=start + 8, state=AgentState.DRAINING, running=0, detail="bye"),
+        heartbeat("agent-2", seq=1, sent_at=start + 1, running=3, version_id=None),
+        heartbeat("agent-2", seq=2, sent_at=start + 3, running=5, state=AgentState.WARMING),
+        heartbeat("agent-2", seq=3, sent_at=start + 5, running=4, requests_failed_total=2),
+    ]
+    return beats
+
+
+def _fleet_snapshot() -> tuple[list[dict], list[dict]]:
+    agents = list(
+        Agent.objects.order_by("name").values(
+            "name",
+            "state",
+            "detail",
+            "endpoint",
+            "figures",
+            "last_seen",
+            "last_sent_at",
+            "last_seq",
+        )
+    )
+    columns = [f.name for f in AgentSample._meta.fields if f.name not in {"id", "agent"}]
+    samples = list(AgentSample.objects.order_by("agent__name", "bucket_start").values(*columns))
+    return agents, samples
+
+
+def test_a_batch_gives_the_same_rows_as_its_heartbeats_one_at_a_time(users) -> None:
+    import random
+
+    register(actor=users["agent"])
+    register("agent-2", actor=users["agent"])
+    seen = timezone.now()
+    Agent.objects.update(last_seen=seen)
+    handler = stream_handlers()[HEARTBEATS_STREAM]
+    entry_id = f"{int(time.time() * 1000)}-0"
+    items = [handler.parse(entry_id, beat.to_fields()) for beat in _coalescing_heartbeats()]
+    shuffled = items[:]
+    random.Random(5).shuffle(shuffled)
+    ways = {
+        "one at a time": [[item] for item in items],
+        "one at a time, newest first": [[item] for item in reversed(items)],
+        "one batch": [items],
+        "one batch, newest first": [items[::-1]],
+        "batches of three, shuffled": [shuffled[i : i + 3] for i in range(0, len(items), 3)],
+        "one batch, delivered twice": [items, items],
+    }
+    snapshots = {}
+    for way, batches in ways.items():
+        AgentSample.objects.all().delete()
+        Agent.objects.update(
+            state="idle", detail="", figures={}, last_seen=seen, last_sent_at=None, last_seq=0
+        )
+        for batch in batches:
+            handler.apply(batch)
+        snapshots[way] = _fleet_snapshot()
+    agents, samples = snapshots["one at a time"]
+    for way, snapshot in snapshots.items():
+        assert snapshot == (agents, samples), way
+    # And the rows are the merge one would write by hand.
+    assert [(a["name"], a["state"], a["detail"], a["last_seq"]) for a in agents] == [
+        ("agent-1", "draining", "bye", 5),
+        ("agent-2", "ready", "", 3),
+    ]
+    assert [
+        (
+            s["bucket_start"].second,
+            s["state"],
+            s["running_max"],
+            s["kv_cache_usage_max"],
+            s["ttft_p95_max_s"],
+            s["energy_joules_min"],
+            s["energy_joules_max"],
+            s["first_sent_at"].second,
+            s["last_sent_at"].second,
+        )
+        for s in samples
+    ] == [
+        (0, "ready", 7, 0.9, 0.5, 40.0, 120.0, 4, 8),  # agent-1
+        (10, "draining", 4, 0.25, 0.08, 160.0, 200.0, 11, 12),
+        (0, "ready", 5, 0.25, 0.08, 40.0, 120.0, 5, 9),  # agent-2
+    ]
+    assert samples[2]["requests_failed_total_max"] == 2
+
+
+def _rows_written() -> dict[str, tuple[int, int]]:
+    """Rows inserted and updated per fleet table in the current transaction (PostgreSQL)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT relname, n_tup_ins, n_tup_upd FROM pg_stat_xact_user_tables "
+            "WHERE relname IN ('fleet_agent', 'fleet_agentsample')"
+        )
+        rows = {name: (inserted, updated) for name, inserted, updated in cursor.fetchall()}
+    return {table: rows.get(table, (0, 0)) for table in ("fleet_agent", "fleet_agentsample")}
+
+
+def _difference(after: dict, before: dict) -> dict[str, tuple[int, int]]:
+    return {
+        table: (after[table][0] - before[table][0], after[table][1] - before[table][1])
+        for table in after
+    }
+
+
+def test_a_batch_writes_each_agent_once_and_each_rollup_once(users) -> None:
+    register(actor=users["agent"])
+    register("agent-2", actor=users["agent"])
+    handler = stream_handlers()[HEARTBEATS_STREAM]
+    entry_id = f"{int(time.time() * 1000)}-0"
+    beats = _coalescing_heartbeats()
+    first = [handler.parse(entry_id, beat.to_fields()) for beat in beats[:3] + beats[5:]]
+    before = _rows_written()
+    handler.apply(first)  # 6 heartbeats, 2 agents, 2 (agent, bucket) pairs
+    assert _difference(_rows_written(), before) == {
+        "fleet_agent": (0, 2),
+        "fleet_agentsample": (2, 0),
+    }
+    before = _rows_written()
+    handler.apply([handler.parse(entry_id, beat.to_fields()) for beat in beats[3:5]])
+    assert _difference(_rows_written(), before) == {
+        "fleet_agent": (0, 1),
+        "fleet_agentsample": (1, 0),  # agent-1's second bucket, new
+    }
+    before = _rows_written()
+    handler.apply(first)  # delivered again: the rollups merge, the agents are newer already
+    assert _difference(_rows_written(), before) == {
+        "fleet_agent": (0, 0),
+        "fleet_agentsample": (0, 2),
+    }
+
+
+def test_entries_the_database_would_refuse_are_dropped_as_malformed(redis_client, users) -> None:
+    register(actor=users["agent"])
+    ingestor = make_ingestor(ingest_client(settings.REDIS_URL))
+    before = metric("ingest_malformed_entries_total", stream=HEARTBEATS_STREAM)
+    good = heartbeat(seq=7).to_fields()
+    figures = json.loads(good["figures"])
+    redis_client.xadd(HEARTBEATS_STREAM, {**good, "detail": "nul \x00 inside"})
+    redis_client.xadd(HEARTBEATS_STREAM, {**good, "seq": str(2**63)})
+    redis_client.xadd(HEARTBEATS_STREAM, {**good, "sent_at": "1e300"})
+    redis_client.xadd(
+        HEARTBEATS_STREAM, {**good, "figures": json.dumps({**figures, "running": 2**31})}
+    )
+    redis_client.xadd(
+        HEARTBEATS_STREAM, {**good, "figures": json.dumps({**figures, "power_watts": 10**400})}
+    )
+    redis_client.xadd(HEARTBEATS_STREAM, {**good, "agent": b"agent-\xff"})  # not UTF-8
+    redis_client.xadd(HEARTBEATS_STREAM, good)
+    drain(ingestor)
+    assert metric("ingest_malformed_entries_total", stream=HEARTBEATS_STREAM) == before + 6
+    assert Agent.objects.get(name="agent-1").last_seq == 7
+    assert AgentSample.objects.get().running_max == 1
+    assert pending(redis_client) == 0

@@ -11,11 +11,10 @@ import socket
 import threading
 from typing import Any
 
-import redis
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from controlplane.core.streams import StreamIngestor
+from controlplane.core.streams import StreamIngestor, ingest_client
 from controlplane.fleet.ingest import ingest_ticker, stream_handlers
 
 logger = logging.getLogger(__name__)
@@ -31,7 +30,12 @@ class Command(BaseCommand):
             default=f"{socket.gethostname()}-{os.getpid()}",
             help="this consumer's name within the group (default: host-pid)",
         )
-        parser.add_argument("--batch-size", type=int, default=500)
+        parser.add_argument(
+            "--batch-size",
+            type=int,
+            default=2000,
+            help="entries per read (XREADGROUP COUNT); each batch is one transaction",
+        )
         parser.add_argument("--claim-idle-ms", type=int, default=30_000)
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -48,9 +52,7 @@ class Command(BaseCommand):
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
         handlers = stream_handlers()
-        client = redis.Redis.from_url(
-            settings.REDIS_URL, socket_timeout=10, socket_connect_timeout=5
-        )
+        client = ingest_client(settings.REDIS_URL)
         ingestor = StreamIngestor(
             client=client,
             group=options["group"],
