@@ -30,6 +30,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from contracts.streams import MAX_BIGINT, MAX_INTEGER
+from contracts.streams import MAX_SENT_AT as MAX_UNIX_TIME
+
 SCHEMA_VERSION = "1"
 
 ROUTING_KEY_PREFIX = "routing:"
@@ -320,32 +323,45 @@ def _format(value: float | None) -> str:
     return repr(round(float(value), 6))
 
 
+# Bounds that keep every accepted value storable (gateway.RequestSample, tenants.UsageRecord,
+# gateway.PromptRecord): an entry the database would refuse is malformed here, so ingest
+# drops it instead of failing its batch.
+TEXT_FIELD_LENGTHS = {"deployment": 100, "agent": 255, "endpoint_kind": 20}  # CharField max_length
+OPTIONAL_TEXT_FIELDS = ("prompt", "completion")  # TextField, only when the tenant keeps prompts
+
+
 def _required(data: Mapping[str, str], name: str) -> str:
     value = data.get(name)
-    if not isinstance(value, str):
+    if value is None:
         raise RoutingContractError(f"{name}: missing")
+    if not isinstance(value, str):
+        raise RoutingContractError(f"{name}: must be a string, got {type(value).__name__}")
     return value
 
 
-def _int(data: Mapping[str, str], name: str, *, minimum: int = 0) -> int:
+def _int(data: Mapping[str, str], name: str, *, minimum: int = 0, maximum: int) -> int:
     raw = _required(data, name)
     try:
         value = int(raw)
     except ValueError as exc:
         raise RoutingContractError(f"{name}: not an integer: {raw[:40]!r}") from exc
     if value < minimum:
-        raise RoutingContractError(f"{name}: must be >= {minimum}")
+        raise RoutingContractError(f"{name}: must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise RoutingContractError(f"{name}: must be <= {maximum}, got {value}")
     return value
 
 
-def _float(data: Mapping[str, str], name: str) -> float:
+def _float(data: Mapping[str, str], name: str, *, maximum: float | None = None) -> float:
     raw = _required(data, name)
     try:
         value = float(raw)
     except ValueError as exc:
         raise RoutingContractError(f"{name}: not a number: {raw[:40]!r}") from exc
     if not math.isfinite(value) or value < 0:
-        raise RoutingContractError(f"{name}: must be a finite number >= 0")
+        raise RoutingContractError(f"{name}: must be a finite number >= 0, got {raw[:40]!r}")
+    if maximum is not None and value > maximum:
+        raise RoutingContractError(f"{name}: must be <= {maximum}, got {value}")
     return value
 
 
@@ -353,7 +369,30 @@ def _optional_float(data: Mapping[str, str], name: str) -> float | None:
     return None if _required(data, name) == "" else _float(data, name)
 
 
+def _no_nul(name: str, value: str) -> str:
+    if "\x00" in value:  # PostgreSQL text cannot hold it
+        raise RoutingContractError(f"{name}: contains a NUL character")
+    return value
+
+
+def _text(data: Mapping[str, str], name: str) -> str:
+    value = _required(data, name)
+    max_length = TEXT_FIELD_LENGTHS[name]
+    if len(value) > max_length:
+        raise RoutingContractError(f"{name}: longer than {max_length} characters")
+    return _no_nul(name, value)
+
+
+def _optional_text(data: Mapping[str, str], name: str) -> str | None:
+    return None if data.get(name) is None else _no_nul(name, _required(data, name))
+
+
 def parse_request_record(data: Mapping[str, str]) -> RequestRecord:
+    """Validate one requests-stream entry; raises RoutingContractError naming the bad field.
+
+    Accepts only what the database can store: ids within bigint, token counts within
+    integer columns, times before the year 10000, text within its column and without NUL.
+    """
     if data.get("v") != SCHEMA_VERSION:
         raise RoutingContractError(f"v: unsupported schema version {data.get('v')!r}")
     request_id = _required(data, "request_id")
@@ -365,29 +404,26 @@ def parse_request_record(data: Mapping[str, str]) -> RequestRecord:
     usage_source = _required(data, "usage_source")
     if usage_source not in {"engine", "gateway"}:
         raise RoutingContractError("usage_source: must be engine or gateway")
-    status = _int(data, "status", minimum=100)
-    if status > 599:
-        raise RoutingContractError("status: must be an HTTP status")
     return RequestRecord(
         request_id=request_id,
-        tenant_id=_int(data, "tenant_id", minimum=1),
-        api_key_id=_int(data, "api_key_id", minimum=0),
-        deployment=_required(data, "deployment")[:100],
-        version_id=_int(data, "version_id", minimum=1),
-        agent=_required(data, "agent")[:255],
-        endpoint_kind=_required(data, "endpoint_kind")[:20],
-        status=status,
+        tenant_id=_int(data, "tenant_id", minimum=1, maximum=MAX_BIGINT),
+        api_key_id=_int(data, "api_key_id", minimum=0, maximum=MAX_BIGINT),
+        deployment=_text(data, "deployment"),
+        version_id=_int(data, "version_id", minimum=1, maximum=MAX_BIGINT),
+        agent=_text(data, "agent"),
+        endpoint_kind=_text(data, "endpoint_kind"),
+        status=_int(data, "status", minimum=100, maximum=599),  # an HTTP status
         is_stream=is_stream == "1",
-        started_at=_float(data, "started_at"),
-        finished_at=_float(data, "finished_at"),
+        started_at=_float(data, "started_at", maximum=MAX_UNIX_TIME),
+        finished_at=_float(data, "finished_at", maximum=MAX_UNIX_TIME),
         e2e_s=_float(data, "e2e_s"),
         ttft_s=_optional_float(data, "ttft_s"),
         itl_mean_s=_optional_float(data, "itl_mean_s"),
         itl_p95_s=_optional_float(data, "itl_p95_s"),
-        prompt_tokens=_int(data, "prompt_tokens"),
-        completion_tokens=_int(data, "completion_tokens"),
+        prompt_tokens=_int(data, "prompt_tokens", maximum=MAX_INTEGER),
+        completion_tokens=_int(data, "completion_tokens", maximum=MAX_INTEGER),
         usage_source=usage_source,
-        attempts=_int(data, "attempts", minimum=1),
-        prompt=data.get("prompt"),
-        completion=data.get("completion"),
+        attempts=_int(data, "attempts", minimum=1, maximum=MAX_INTEGER),  # not stored
+        prompt=_optional_text(data, "prompt"),
+        completion=_optional_text(data, "completion"),
     )

@@ -6,6 +6,14 @@ only after that (so a crash re-delivers it, and handlers are idempotent); an ent
 does not parse is counted as malformed and acknowledged so that it never blocks the
 stream; entries left pending by a dead consumer are claimed after `claim_idle_ms`.
 
+An entry that parses but that the database refuses (a poison entry) must not block the
+stream either: when applying a batch raises a database error about its values, the batch
+is split in halves and each applied on its own (one handler call, so one transaction,
+each), down to single entries; the good ones are applied and acknowledged, and an entry
+refused on its own is counted, logged and dropped. A failure of the connection or the
+server (OperationalError, InterfaceError) or of the SQL itself (ProgrammingError) is not
+the entries' fault: nothing is dropped, the batch stays pending and comes back.
+
 `on_tick(is_caught_up)` runs every `tick_every_s` whether or not entries keep coming
 (periodic work such as lost-agent detection must not wait for an idle moment);
 `is_caught_up` says whether the last read drained every stream, so that work which
@@ -19,13 +27,29 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import redis
+from django.db import (
+    DatabaseError,
+    DataError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    ProgrammingError,
+    connections,
+)
 from prometheus_client import Counter, Histogram
 
 logger = logging.getLogger(__name__)
 
 ENTRIES_TOTAL = Counter("ingest_entries_total", "Stream entries applied by ingest", ["stream"])
 MALFORMED_TOTAL = Counter(
-    "ingest_malformed_entries_total", "Stream entries dropped as malformed", ["stream"]
+    "ingest_malformed_entries_total",
+    "Stream entries dropped: not parsed, or refused by the database",
+    ["stream"],
+)
+DROPPED_TOTAL = Counter(
+    "ingest_dropped_entries_total",
+    "Stream entries dropped, by reason: malformed, integrity_error, data_error, database_error",
+    ["stream", "reason"],
 )
 CLAIMED_TOTAL = Counter(
     "ingest_claimed_entries_total", "Pending entries claimed from dead consumers", ["stream"]
@@ -86,9 +110,10 @@ class StreamIngestor:
 
     def _process(self, stream: str, entries: Sequence[tuple[Any, Any]]) -> int:
         """Parse a batch, apply it (one call: the handler coalesces and commits it), then
-        acknowledge every entry of it, malformed ones included, in one XACK."""
+        acknowledge every entry of it, malformed and refused ones included, in one XACK."""
         handler = self.handlers[stream]
         parsed: list[Any] = []
+        parsed_ids: list[str] = []
         ids: list[str] = []
         for raw_id, raw_fields in entries:
             if type(raw_id) is str:  # a client that decodes replies (hiredis does it in C)
@@ -105,10 +130,11 @@ class StreamIngestor:
                 continue
             try:
                 parsed.append(handler.parse(entry_id, fields))
+                parsed_ids.append(entry_id)
             except Exception as exc:
                 # Malformed, or a parser that cannot cope with it: either way this entry
                 # would fail again on every delivery, so it must not hold up the stream.
-                MALFORMED_TOTAL.labels(stream).inc()
+                _count_dropped(stream, "malformed")
                 logger.warning(
                     "dropping malformed entry",
                     extra={"stream": stream, "entry_id": entry_id, "reason": str(exc)},
@@ -116,11 +142,42 @@ class StreamIngestor:
                 )
         if parsed:
             with BATCH_SECONDS.labels(stream).time():
-                handler.apply(parsed)
-            ENTRIES_TOTAL.labels(stream).inc(len(parsed))
+                applied = self._apply(stream, handler, parsed, parsed_ids)
+            ENTRIES_TOTAL.labels(stream).inc(applied)
         if ids:
             self.client.xack(stream, self.group, *ids)
         return len(ids)
+
+    def _apply(
+        self, stream: str, handler: StreamHandler, items: Sequence[Any], ids: Sequence[str]
+    ) -> int:
+        """Apply items in one handler call; if the database refuses their values, apply
+        each half on its own, down to single entries, and drop a single one it refuses.
+        Returns how many were applied. Any other failure propagates: nothing is dropped."""
+        try:
+            handler.apply(items)
+        except DatabaseError as exc:
+            if not _is_refusal(exc):
+                raise
+            if len(items) > 1:
+                middle = len(items) // 2
+                return self._apply(stream, handler, items[:middle], ids[:middle]) + self._apply(
+                    stream, handler, items[middle:], ids[middle:]
+                )
+            reason = _refusal_reason(exc)
+            _count_dropped(stream, reason)
+            # Not str(exc): its DETAIL can quote the whole row, prompt text included.
+            logger.warning(
+                "dropping an entry the database refused",
+                extra={
+                    "stream": stream,
+                    "entry_id": ids[0],
+                    "reason": reason,
+                    "error": _database_error_summary(exc),
+                },
+            )
+            return 0
+        return len(items)
 
     def _claim_stale(self) -> int:
         claimed = 0
@@ -202,9 +259,21 @@ class StreamIngestor:
                     groups_ready = False
                     continue
                 raise
-            except Exception:
-                # A failed database write: the entries stay pending and come back.
-                logger.exception("ingest batch failed; entries stay pending")
+            except Exception as exc:
+                # The database went away (or another failure that is not one entry's
+                # fault): the entries stay pending and come back.
+                if isinstance(exc, DatabaseError):
+                    # Not logger.exception: the error's DETAIL can quote an entry's values.
+                    logger.log(
+                        logging.WARNING
+                        if isinstance(exc, OperationalError | InterfaceError)
+                        else logging.ERROR,
+                        "ingest batch failed; entries stay pending",
+                        extra={"error": _database_error_summary(exc)},
+                    )
+                    _close_broken_connections()
+                else:
+                    logger.exception("ingest batch failed; entries stay pending")
                 self._own_pending_done.clear()
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
@@ -214,3 +283,46 @@ def _text(value: Any) -> str:
     # Undecodable bytes become U+FFFD: an entry that cannot be decoded must still be
     # parsed (and refused), or it would come back forever.
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _count_dropped(stream: str, reason: str) -> None:
+    MALFORMED_TOTAL.labels(stream).inc()
+    DROPPED_TOTAL.labels(stream, reason).inc()
+
+
+def _is_refusal(exc: DatabaseError) -> bool:
+    """Whether the database refused the values written, rather than failing on its own:
+    a lost connection, a deadlock, a timeout, a full disk (OperationalError), a closed
+    connection (InterfaceError) or SQL that does not fit the schema, such as a migration
+    not yet applied (ProgrammingError) would fail every entry, and must drop none."""
+    return not isinstance(exc, OperationalError | InterfaceError | ProgrammingError)
+
+
+def _refusal_reason(exc: DatabaseError) -> str:
+    if isinstance(exc, IntegrityError):
+        return "integrity_error"
+    if isinstance(exc, DataError):
+        return "data_error"
+    return "database_error"
+
+
+def _database_error_summary(exc: DatabaseError) -> str:
+    """The error's class, SQLSTATE and primary message, never its DETAIL (PostgreSQL's
+    "Failing row contains (...)" quotes the values, prompt text included)."""
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    sqlstate = getattr(cause, "sqlstate", None)
+    diag = getattr(cause, "diag", None)
+    message = getattr(diag, "message_primary", None) or str(cause).split("\n", 1)[0]
+    code = f" [{sqlstate}]" if sqlstate else ""
+    return f"{type(exc).__name__}{code}: {message[:200]}"
+
+
+def _close_broken_connections() -> None:
+    """Close database connections a failure left unusable, so the next batch reconnects
+    (a long-running process has no request cycle to do it); never inside a transaction."""
+    for connection in connections.all(initialized_only=True):
+        if not connection.in_atomic_block:
+            try:
+                connection.close_if_unusable_or_obsolete()
+            except DatabaseError:  # closing a dead connection: the next use reconnects
+                logger.warning("closing a broken database connection failed")
