@@ -157,24 +157,29 @@ class RoutingCache:
         self._index()
 
 
-def choose_version(table: RoutingTable, affinity_value: str | None) -> VersionRoute | None:
+def choose_version(
+    table: RoutingTable, affinity_value: str | None, tenant_slug: str | None = None
+) -> VersionRoute | None:
     """A version drawn by weight among those with ready agents.
 
-    With an affinity value (tenant id or session id), the draw is a hash of it, so the
-    same caller lands on the same version while the weights stay; when the canary's share
-    grows, callers already on it stay on it (its slice only widens).
+    The weights are the ones that apply to the tenant (`RoutingTable.weights_for`: its own
+    in a tenant-scoped stage, else the versions'). With an affinity value (tenant id or
+    session id), the draw is a hash of it, so the same caller lands on the same version
+    while the weights stay; when the canary's share grows, callers already on it stay on
+    it (its slice only widens).
     """
-    candidates = [v for v in table.versions if v.weight > 0 and v.endpoints]
+    weights = table.weights_for(tenant_slug)
+    candidates = [v for v in table.versions if weights[v.version_id] > 0 and v.endpoints]
     if not candidates:
         return None
-    total = sum(v.weight for v in candidates)
+    total = sum(weights[v.version_id] for v in candidates)
     if affinity_value is not None and table.affinity is not Affinity.NONE:
         digest = blake2b(f"{table.deployment}\0{affinity_value}".encode(), digest_size=8).digest()
         point = int.from_bytes(digest, "big") / 2**64 * total
     else:
         point = random.random() * total
     for version in candidates:
-        point -= version.weight
+        point -= weights[version.version_id]
         if point < 0:
             return version
     return candidates[-1]
