@@ -1,19 +1,25 @@
-"""Serving-engine benchmark: prints ratios measured in one run on this machine.
+"""Serving-engine benchmark: ratios measured in one run on this machine.
 
     python -m bench.engine_bench            # full workload (256 requests, 64 in flight)
     python -m bench.engine_bench --quick    # scaled-down smoke run
+    python -m bench --only engine_bench     # as a step of `make bench` (docs/loadgen.md)
 
 1. Serving throughput: useful output tokens/s of the engine over HTTP divided by
    HF transformers `generate` in static batches on the same weights and dtype.
 2. Single-stream decode tokens/s divided by the memory roofline of the dtype
    (bytes of weights / measured read bandwidth); llama.cpp too where installed.
-3. Time to first token at 1 and 32 concurrent requests.
+3. Time to first token at 1 and 32 concurrent requests, against the engine's own
+   prefill time for the same prompts measured in-process in the same run.
+
+Everything runs under one time budget: the serving run stops submitting requests at
+a deadline, and HF `generate` gets `max_time`, so the step ends within `BUDGET_S`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib.util
 import json
 import os
@@ -24,13 +30,44 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+BUDGET_S = 400  # `make bench` has 840 s for its five steps
+QUICK_BUDGET_S = 150
+SMOLLM2_EOS = 2
+DECODE_PROMPT = "Write a long story about a lighthouse keeper."
+
+
+@dataclass(slots=True)
+class Options:
+    model: str = "smollm2"
+    dtype: str = "bfloat16"
+    threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+    max_num_batched_tokens: int = 512
+    kv_cache_mb: int = 2048
+    requests: int = 256
+    prompt_range: tuple[int, int] = (32, 512)
+    output_range: tuple[int, int] = (32, 256)
+    in_flight: int = 64
+    batch_size: int = 64  # HF static batch
+    reference_batches: int = 1  # HF is timed on the first batches only (its rate, tok/s)
+    decode_tokens: int = 128
+    ttft_prompt: int = 128
+    ttft_many: int = 32
+    budget_s: float = BUDGET_S
+    skip_reference: bool = False
+
+
+QUICK = Options(
+    requests=32, prompt_range=(32, 256), output_range=(16, 64), in_flight=16, batch_size=16,
+    decode_tokens=32, ttft_many=8, budget_s=QUICK_BUDGET_S,
+)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -51,19 +88,26 @@ def make_workload(count: int, prompt_range: tuple[int, int], output_range: tuple
     return Workload(prompts, limits)
 
 
+def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randint(300, 40000) for _ in range(length)] for _ in range(count)]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
-def start_engine(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
+# ---- the engine over HTTP ---------------------------------------------------------------
+def start_engine(options: Options) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     command = [
-        sys.executable, "-m", "engine", "serve", "--model", args.model, "--dtype", args.dtype,
-        "--port", str(port), "--threads", str(args.threads), "--max-num-seqs", "64",
-        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--kv-cache-memory-mb", str(args.kv_cache_mb), "--max-model-len", "1024",
+        sys.executable, "-m", "engine", "serve", "--model", options.model,
+        "--dtype", options.dtype, "--port", str(port), "--threads", str(options.threads),
+        "--max-num-seqs", str(max(64, options.in_flight)),
+        "--max-num-batched-tokens", str(options.max_num_batched_tokens),
+        "--kv-cache-memory-mb", str(options.kv_cache_mb), "--max-model-len", "1024",
         "--max-queue", "1024", "--log-level", "warning",
     ]  # fmt: skip
     process = subprocess.Popen(command, cwd=REPO_ROOT, start_new_session=True)
@@ -71,7 +115,7 @@ def start_engine(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise SystemExit(f"engine exited with {process.returncode}")
+            raise RuntimeError(f"engine exited with {process.returncode}")
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                 return process, base
@@ -79,7 +123,16 @@ def start_engine(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str
             pass
         time.sleep(0.2)
     process.kill()
-    raise SystemExit("engine did not become ready")
+    raise RuntimeError("engine did not become ready")
+
+
+def stop_engine(process: subprocess.Popen[bytes]) -> None:
+    process.send_signal(signal.SIGTERM)  # drains in-flight requests, then exits
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
 
 
 async def stream_one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
@@ -103,13 +156,28 @@ async def stream_one(client: httpx.AsyncClient, prompt: list[int], max_tokens: i
     return (first if first is not None else time.perf_counter() - started), tokens
 
 
-async def run_serving(base: str, workload: Workload, in_flight: int) -> tuple[float, int]:
+@dataclass(slots=True)
+class ServingResult:
+    seconds: float
+    tokens: int  # useful tokens of the requests that ran
+    submitted: int
+
+
+async def run_serving(
+    base: str, workload: Workload, in_flight: int, submit_deadline: float
+) -> ServingResult:
+    """All requests with `in_flight` open at a time; none is started after the deadline."""
     limits = httpx.Limits(max_connections=in_flight + 4)
     async with httpx.AsyncClient(base_url=base, timeout=3600, limits=limits) as client:
         gate = asyncio.Semaphore(in_flight)
+        submitted = 0
 
         async def one(index: int) -> int:
+            nonlocal submitted
             async with gate:
+                if time.monotonic() > submit_deadline:
+                    return 0
+                submitted += 1
                 _, tokens = await stream_one(
                     client, workload.prompts[index], workload.max_tokens[index]
                 )
@@ -117,27 +185,24 @@ async def run_serving(base: str, workload: Workload, in_flight: int) -> tuple[fl
 
         started = time.perf_counter()
         counts = await asyncio.gather(*(one(i) for i in range(len(workload.prompts))))
-        return time.perf_counter() - started, sum(counts)
+        return ServingResult(time.perf_counter() - started, sum(counts), submitted)
 
 
-async def run_ttft(base: str, concurrency: int, prompt_length: int) -> list[float]:
-    rng = random.Random(99 + concurrency)
+async def run_ttft(base: str, prompts: list[list[int]]) -> list[float]:
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
-        prompts = [
-            [rng.randint(300, 40000) for _ in range(prompt_length)] for _ in range(concurrency)
-        ]
         results = await asyncio.gather(*(stream_one(client, p, 8, True) for p in prompts))
     return [ttft for ttft, _ in results]
 
 
-def reference_model(dtype: torch.dtype):
+# ---- HF transformers reference ----------------------------------------------------------
+def reference_model(model: str, dtype: torch.dtype) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from engine.loader import load_checkpoint, resolve_model_path
 
-    checkpoint = load_checkpoint(resolve_model_path("smollm2"))
+    checkpoint = load_checkpoint(resolve_model_path(model))
     c = checkpoint.config
-    model = LlamaForCausalLM(
+    reference = LlamaForCausalLM(
         LlamaConfig(
             vocab_size=c.vocab_size, hidden_size=c.hidden_size,
             intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
@@ -146,39 +211,60 @@ def reference_model(dtype: torch.dtype):
             max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True,
         )
     )  # fmt: skip
-    model.load_state_dict(checkpoint.weights, strict=False)
-    model.tie_weights()
-    return model.to(dtype).eval(), 2  # eos id of SmolLM2
+    reference.load_state_dict(checkpoint.weights, strict=False)
+    reference.tie_weights()
+    return reference.to(dtype).eval()
 
 
-def run_reference(workload: Workload, batch_size: int, dtype: torch.dtype) -> tuple[float, int]:
+@dataclass(slots=True)
+class ReferenceResult:
+    seconds: float
+    tokens: int
+    requests: int
+    hit_time_limit: bool
+
+
+def run_reference(
+    options: Options, workload: Workload, dtype: torch.dtype, deadline: float
+) -> ReferenceResult:
     """HF generate in static batches (left padded); useful = tokens up to own limit or EOS."""
-    model, eos = reference_model(dtype)
+    model = reference_model(options.model, dtype)
+    max_time = max(10.0, deadline - time.monotonic())
+    eos = SMOLLM2_EOS
     model.generation_config.eos_token_id = eos
-    useful = 0
+    useful = requests = 0
+    hit_time_limit = False
+    size = options.batch_size
     started = time.perf_counter()
-    for first in range(0, len(workload.prompts), batch_size):
-        prompts = workload.prompts[first : first + batch_size]
-        limits = workload.max_tokens[first : first + batch_size]
+    for first in range(0, min(len(workload.prompts), size * options.reference_batches), size):
+        prompts = workload.prompts[first : first + size]
+        limits = workload.max_tokens[first : first + size]
         longest = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), longest), eos, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, prompt in enumerate(prompts):
             ids[row, longest - len(prompt) :] = torch.tensor(prompt)
             mask[row, longest - len(prompt) :] = 1
+        left = max_time - (time.perf_counter() - started)
         with torch.inference_mode():
             out = model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=max(limits),
-                do_sample=False, pad_token_id=eos,
+                do_sample=False, pad_token_id=eos, max_time=max(left, 1.0),
             )[:, longest:]  # fmt: skip
+        if out.shape[1] < max(limits) and not bool((out == eos).any(dim=1).all()):
+            hit_time_limit = True
         for row, limit in enumerate(limits):
             tokens = out[row, :limit].tolist()
             useful += tokens.index(eos) + 1 if eos in tokens else len(tokens)
-    return time.perf_counter() - started, useful
+        requests += len(prompts)
+        if hit_time_limit:
+            break
+    return ReferenceResult(time.perf_counter() - started, useful, requests, hit_time_limit)
 
 
+# ---- in-process figures: bandwidth, single-stream decode, prefill time -------------------
 def read_bandwidth_gbs() -> float:
-    data = torch.ones(128 * 2**20 // 4 * 4)  # 512 MiB of fp32
+    data = torch.ones(128 * 2**20)  # 512 MiB of fp32, far beyond any cache
     data.sum()
     best = float("inf")
     for _ in range(5):
@@ -188,39 +274,229 @@ def read_bandwidth_gbs() -> float:
     return data.numel() * 4 / best / 1e9
 
 
-def single_stream(args: argparse.Namespace, dtype: str) -> tuple[float, int]:
+@dataclass(slots=True)
+class InProcessResult:
+    decode_rate: float  # tokens/s, one sequence, after its prefill
+    weight_bytes: int
+    prefill_seconds: float  # one ttft_prompt-token prompt: prefill + first token, median
+
+
+def in_process(options: Options) -> InProcessResult:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from engine.sequence import SamplingParams
+    from engine.sequence import SamplingParams, Sequence
 
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=dtype, max_model_len=1024))
+    engine = LLMEngine(EngineConfig(model=options.model, dtype=options.dtype, max_model_len=1024))
     engine.load()
     engine.warm_up()
-    prompt = engine.tokenizer.encode("Write a long story about a lighthouse keeper.")
-    params = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
-    seq = engine.add_request(prompt, params, "single", lambda out: None)
-    engine.scheduler.add(engine._submitted.pop())
-    engine._step()  # prefill + first token
-    started = time.perf_counter()
-    while not seq.is_finished:
-        engine._step()
-    elapsed = time.perf_counter() - started
-    return (seq.num_output_tokens - 1) / elapsed, engine.weight_bytes
+
+    def generate(prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
+        """(seconds for the first step, seconds for the rest, tokens after the first)."""
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        seq = Sequence(token_ids=prompt, params=params)
+        engine.scheduler.add(seq)
+        started = time.perf_counter()
+        engine._step(record=False)  # the whole prompt fits one step: prefill + first token
+        first = time.perf_counter() - started
+        started = time.perf_counter()
+        while not seq.is_finished:
+            engine._step(record=False)
+        rest = time.perf_counter() - started
+        engine.block_manager.free(seq)
+        return first, rest, seq.num_output_tokens - 1
+
+    prefill = [
+        generate(prompt, 1)[0]
+        for prompt in random_prompts(3, options.ttft_prompt, seed=7)  # no prefix cache hits
+    ]
+    _, decode_seconds, decode_tokens = generate(
+        engine.tokenizer.encode(DECODE_PROMPT), options.decode_tokens
+    )
+    return InProcessResult(
+        decode_tokens / decode_seconds, engine.weight_bytes, statistics.median(prefill)
+    )
 
 
-def llama_cpp_decode(args: argparse.Namespace) -> float | None:
+def llama_cpp_decode(options: Options) -> float | None:
     if importlib.util.find_spec("llama_cpp") is None:
         return None
     import llama_cpp
 
     from engine.loader import smollm2_path
 
-    llm = llama_cpp.Llama(str(smollm2_path()), n_threads=args.threads, verbose=False)
+    llm = llama_cpp.Llama(str(smollm2_path()), n_threads=options.threads, verbose=False)
     llm("Hello", max_tokens=4)
     started = time.perf_counter()
-    out = llm("Write a long story about a lighthouse keeper.", max_tokens=args.decode_tokens,
-              temperature=0)  # fmt: skip
+    out = llm(DECODE_PROMPT, max_tokens=options.decode_tokens, temperature=0)
     return int(out["usage"]["completion_tokens"]) / (time.perf_counter() - started)
+
+
+# ---- the whole measurement ----------------------------------------------------------------
+def measure(options: Options) -> dict[str, Any]:
+    """Run every measurement within options.budget_s, print as it goes, return the report."""
+    started = time.monotonic()
+    end = started + options.budget_s
+    torch.set_num_threads(options.threads)
+    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, threads "
+          f"{options.threads}, cuda {torch.cuda.is_available()}, dtype {options.dtype}, "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    notes = [
+        f"{os.cpu_count()} CPUs, {options.threads} threads, torch {torch.__version__}, "
+        f"dtype {options.dtype}; load average {os.getloadavg()[0]:.1f} at the start "
+        "(other work on the machine slows every figure)"
+    ]
+    workload = make_workload(options.requests, options.prompt_range, options.output_range)
+
+    bandwidth = read_bandwidth_gbs()
+    local = in_process(options)
+    gc.collect()
+    roofline = bandwidth * 1e9 / local.weight_bytes
+    print(f"single stream decode ({options.dtype}): {local.decode_rate:.1f} tok/s; weights "
+          f"{local.weight_bytes / 1e6:.0f} MB, read bandwidth {bandwidth:.1f} GB/s, roofline "
+          f"{roofline:.1f} tok/s", flush=True)  # fmt: skip
+    print(f"RATIO single-stream decode / memory roofline = {local.decode_rate / roofline:.2f} "
+          "(target >= 0.8)", flush=True)  # fmt: skip
+    print(f"in-process prefill + first token, {options.ttft_prompt}-token prompt: "
+          f"{local.prefill_seconds * 1000:.0f} ms", flush=True)  # fmt: skip
+
+    # The engine over HTTP; leave time for HF's share and for draining in-flight requests.
+    reference_share = 0.0 if options.skip_reference else 0.3 * options.budget_s
+    process, base = start_engine(options)
+    try:
+        ttft_one = [asyncio.run(run_ttft(base, [p]))[0]
+                    for p in random_prompts(3, options.ttft_prompt, seed=11)]  # fmt: skip
+        ttft_group = asyncio.run(
+            run_ttft(base, random_prompts(options.ttft_many, options.ttft_prompt, seed=12))
+        )
+        submit_deadline = end - reference_share - 0.15 * options.budget_s
+        serving = asyncio.run(run_serving(base, workload, options.in_flight, submit_deadline))
+        stats = httpx.get(f"{base}/admin/stats", timeout=10).json()
+    finally:
+        stop_engine(process)
+    engine_rate = serving.tokens / serving.seconds
+    print(f"engine serving: {serving.submitted} of {len(workload.prompts)} requests, "
+          f"{options.in_flight} in flight, {serving.tokens} useful tokens in "
+          f"{serving.seconds:.1f}s = {engine_rate:.1f} tok/s (prefix hits "
+          f"{stats.get('prefix_cache_hits_total', 0)}, preemptions "
+          f"{stats.get('num_preemptions_total', 0)})", flush=True)  # fmt: skip
+    if serving.submitted < len(workload.prompts):
+        notes.append(
+            f"serving: the time budget stopped submissions after {serving.submitted} of "
+            f"{len(workload.prompts)} requests; the rate is over those that ran"
+        )
+
+    reference: ReferenceResult | None = None
+    ref_dtype = torch.float32 if options.dtype == "float32" else torch.bfloat16
+    if not options.skip_reference:
+        reference = run_reference(options, workload, ref_dtype, end - 10)
+        gc.collect()
+        ref_rate = reference.tokens / reference.seconds
+        print(f"HF generate ({ref_dtype}, static batches of {options.batch_size}, first "
+              f"{reference.requests} requests): {reference.tokens} useful tokens in "
+              f"{reference.seconds:.1f}s = {ref_rate:.1f} tok/s", flush=True)  # fmt: skip
+        print(f"RATIO serving throughput engine/HF = {engine_rate / ref_rate:.2f}x "
+              "(target >= 5x)", flush=True)  # fmt: skip
+        notes.append(
+            f"HF reference rate measured on its first {reference.requests} requests "
+            f"(static batches of {options.batch_size}) to fit the time budget; the engine "
+            f"served {serving.submitted} requests of the same workload"
+            + ("; HF generate hit its max_time" if reference.hit_time_limit else "")
+        )
+
+    cpp = llama_cpp_decode(options)
+    if cpp is None:
+        print("llama.cpp: llama-cpp-python not installed, skipped")
+    else:
+        print(f"llama.cpp decode: {cpp:.1f} tok/s; RATIO engine/llama.cpp = "
+              f"{local.decode_rate / cpp:.2f}")  # fmt: skip
+    ttft_p50 = statistics.median(ttft_group)
+    print(f"TTFT 1 request: {statistics.median(ttft_one) * 1000:.0f} ms (median of 3); "
+          f"{options.ttft_many} concurrent: p50 {ttft_p50 * 1000:.0f} ms, max "
+          f"{max(ttft_group) * 1000:.0f} ms", flush=True)  # fmt: skip
+    notes.append(f"load average {os.getloadavg()[0]:.1f} at the end; step took "
+                 f"{time.monotonic() - started:.0f}s")  # fmt: skip
+
+    shape = f"{len(workload.prompts)} requests, {options.in_flight} in flight"
+    figures: list[dict[str, Any]] = [
+        {
+            "name": f"serving throughput ({shape}, HTTP)",
+            "value": engine_rate,
+            "unit": "useful tok/s",
+            "reference": f"HF transformers generate, static batches of {options.batch_size}, "
+            f"{options.dtype}, same weights",
+            "reference_value": None if reference is None else reference.tokens / reference.seconds,
+            "target": "ratio >= 5",
+            **({"skipped": "--skip-reference"} if reference is None else {}),
+        },
+        {
+            "name": f"single-stream decode ({options.dtype})",
+            "value": local.decode_rate,
+            "unit": "tok/s",
+            "reference": f"memory roofline: {local.weight_bytes / 1e6:.0f} MB of weights at "
+            f"{bandwidth:.1f} GB/s measured read bandwidth",
+            "reference_value": roofline,
+            "target": "ratio >= 0.8",
+        },
+        {
+            "name": "single-stream decode vs llama.cpp (same GGUF)",
+            "value": local.decode_rate,
+            "unit": "tok/s",
+            "reference": "llama-cpp-python, same thread count",
+            "reference_value": cpp,
+            "target": "reported",
+            **({"skipped": "llama-cpp-python not installed"} if cpp is None else {}),
+        },
+        {
+            "name": f"TTFT, 1 request ({options.ttft_prompt}-token prompt, HTTP streaming)",
+            "value": statistics.median(ttft_one) * 1000,
+            "unit": "ms",
+            "reference": "the engine's prefill + first token for such a prompt, in-process",
+            "reference_value": local.prefill_seconds * 1000,
+            "target": "ratio <= 1.5",
+        },
+        {
+            "name": f"TTFT p50, {options.ttft_many} concurrent requests "
+            f"({options.ttft_prompt}-token prompts)",
+            "value": ttft_p50 * 1000,
+            "unit": "ms",
+            "reference": f"{options.ttft_many} in-process prefills one after another",
+            "reference_value": options.ttft_many * local.prefill_seconds * 1000,
+            "target": "ratio <= 1",
+        },
+    ]
+    return {"figures": figures, "notes": notes}
+
+
+def plot(report: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figures = [f for f in report["figures"] if not f.get("skipped") and f.get("reference_value")]
+    figure, axes = plt.subplots(1, len(figures), figsize=(3.2 * len(figures), 3.4))
+    for axis, item in zip(figure.axes if len(figures) > 1 else [axes], figures, strict=True):
+        axis.bar(["engine", "reference"], [item["value"], item["reference_value"]],
+                 color=["tab:blue", "tab:grey"])  # fmt: skip
+        axis.set_title(item["name"].split(" (")[0], fontsize=9)
+        axis.set_ylabel(item["unit"], fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return True
+
+
+def run(out_dir: Path, quick: bool) -> dict[str, Any]:
+    """The bench step (docs/loadgen.md): measure within the budget, plot, return figures."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    options = QUICK if quick else Options()
+    # Leave a margin inside the step's limit for start-up and the plot.
+    report = measure(replace(options, budget_s=options.budget_s - 20))
+    if plot(report, out_dir / "engine_bench.png"):
+        report["plots"] = ["engine_bench.png"]
+    return report
 
 
 def main() -> None:
@@ -233,55 +509,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--kv-cache-mb", type=int, default=2048)
+    parser.add_argument("--budget", type=float, help="seconds (default: the step's budget)")
     parser.add_argument("--skip-reference", action="store_true")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.quick:
-        workload = make_workload(16, (32, 128), (16, 64))
-        in_flight, batch_size, args.decode_tokens, ttft_many = 8, 8, 32, 8
-    else:
-        workload = make_workload(256, (32, 512), (32, 256))
-        in_flight, batch_size, args.decode_tokens, ttft_many = 64, 64, 128, 32
-    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, threads {args.threads}, "
-          f"cuda {torch.cuda.is_available()}, dtype {args.dtype}")  # fmt: skip
-
-    process, base = start_engine(args)
-    try:
-        ttft_one = asyncio.run(run_ttft(base, 1, 128))
-        ttft_group = asyncio.run(run_ttft(base, ttft_many, 128))
-        serve_seconds, serve_tokens = asyncio.run(run_serving(base, workload, in_flight))
-        stats = httpx.get(f"{base}/admin/stats").json()
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
-    engine_rate = serve_tokens / serve_seconds
-    print(f"engine serving: {len(workload.prompts)} requests, {in_flight} in flight, "
-          f"{serve_tokens} useful tokens in {serve_seconds:.1f}s = {engine_rate:.1f} tok/s "
-          f"(prefix hits {stats.get('prefix_cache_hits_total', 0)}, "
-          f"preemptions {stats.get('num_preemptions_total', 0)})")  # fmt: skip
-    if not args.skip_reference:
-        ref_dtype = {"float32": torch.float32}.get(args.dtype, torch.bfloat16)
-        ref_seconds, ref_tokens = run_reference(workload, batch_size, ref_dtype)
-        ref_rate = ref_tokens / ref_seconds
-        print(f"HF generate ({ref_dtype}, static batches of {batch_size}): {ref_tokens} useful "
-              f"tokens in {ref_seconds:.1f}s = {ref_rate:.1f} tok/s")  # fmt: skip
-        print(f"RATIO serving throughput engine/HF = {engine_rate / ref_rate:.2f}x (target >= 5x)")
-
-    bandwidth = read_bandwidth_gbs()
-    rate, weight_bytes = single_stream(args, args.dtype)
-    roofline = bandwidth * 1e9 / weight_bytes
-    print(f"single stream decode ({args.dtype}): {rate:.1f} tok/s; "
-          f"weights {weight_bytes / 1e6:.0f} MB, read bandwidth {bandwidth:.1f} GB/s, "
-          f"roofline {roofline:.1f} tok/s")  # fmt: skip
-    print(f"RATIO single-stream decode / memory roofline = {rate / roofline:.2f} (target >= 0.8)")
-    cpp = llama_cpp_decode(args)
-    if cpp is None:
-        print("llama.cpp: llama-cpp-python not installed, skipped")
-    else:
-        print(f"llama.cpp decode: {cpp:.1f} tok/s; RATIO engine/llama.cpp = {rate / cpp:.2f}")
-    print(f"TTFT 1 request: {ttft_one[0] * 1000:.0f} ms; {ttft_many} concurrent: "
-          f"p50 {statistics.median(ttft_group) * 1000:.0f} ms, "
-          f"max {max(ttft_group) * 1000:.0f} ms")  # fmt: skip
+    options = replace(
+        QUICK if args.quick else Options(),
+        model=args.model, dtype=args.dtype, threads=args.threads,
+        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_mb=args.kv_cache_mb,
+        skip_reference=args.skip_reference,
+    )  # fmt: skip
+    if args.budget:
+        options.budget_s = args.budget
+    measure(options)
 
 
 if __name__ == "__main__":

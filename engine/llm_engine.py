@@ -25,6 +25,7 @@ from engine.config import EngineConfig, LlamaConfig, validate_faults
 from engine.loader import load_checkpoint, resolve_model_path
 from engine.metrics import EngineMetrics
 from engine.model_runner import ModelRunner
+from engine.models.layers import cpu_has_native_bf16
 from engine.models.llama import KVCache, LlamaModel
 from engine.sampler import sample
 from engine.scheduler import Scheduler
@@ -62,10 +63,12 @@ def pick_device() -> torch.device:
 
 
 def compute_dtype_for(dtype: str, device: torch.device) -> torch.dtype:
-    if device.type == "cuda" and dtype in ("bfloat16", "int8"):
+    if dtype == "float32":
+        return torch.float32
+    if device.type == "cuda" or cpu_has_native_bf16():
         return torch.bfloat16
-    # CPUs without bf16 matrix units multiply bf16 several times slower than fp32;
-    # weights stay in their storage dtype and are widened per matmul (models/layers.py).
+    # CPUs without native bf16 dot products multiply bf16 several times slower than
+    # fp32: batched rows use an fp32 copy of the weights (models/layers.py).
     return torch.float32
 
 

@@ -5,9 +5,18 @@ from __future__ import annotations
 import torch
 
 from engine.config import LlamaConfig
-from engine.models.llama import AttentionMetadata, KVCache, LlamaModel, PrefillChunk
+from engine.models.llama import (
+    AttentionMetadata,
+    DecodeGroup,
+    KVCache,
+    LlamaModel,
+    PrefillChunk,
+)
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+
+MAX_DECODE_GROUPS = 4
+GROUP_FILL = 0.7  # a row joins a decode group while it fills this much of its width
 
 
 class ModelRunner:
@@ -25,6 +34,17 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.cache = KVCache(config, num_blocks, block_size, cache_dtype, device)
+        self.compute_dtype = model.compute_dtype
+        # plane * num_blocks: the first row of each K/V head plane in the flat cache view
+        self.plane_offsets = torch.arange(2 * config.num_kv_heads, device=device) * num_blocks
+        self.key_offsets = self.plane_offsets[: config.num_kv_heads]
+        self.value_offsets = self.plane_offsets[config.num_kv_heads :] * block_size
+        self.slot_in_block = torch.arange(block_size, device=device)
+
+    def gather_ids(self, block_ids: list[int]) -> torch.Tensor:
+        """Rows of the flat [planes * num_blocks, block] cache view for gather_blocks."""
+        blocks = torch.tensor(block_ids, device=self.device)
+        return (self.plane_offsets[:, None] + blocks[None, :]).view(-1)
 
     def prepare(
         self, batch: ScheduledBatch
@@ -37,7 +57,10 @@ class ModelRunner:
         sampling: list[Sequence] = []
         prefills: list[PrefillChunk] = []
         num_decode = batch.num_single_token
-        for index, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+        # Single-token rows longest first, so that decode groups of similar lengths pad little.
+        decode_seqs = sorted(batch.seqs[:num_decode], key=len, reverse=True)
+        seqs = decode_seqs + batch.seqs[num_decode:]
+        for index, (seq, count) in enumerate(zip(seqs, batch.num_new_tokens, strict=True)):
             start = len(input_ids)
             done = seq.num_computed_tokens
             table = seq.block_table
@@ -50,34 +73,20 @@ class ModelRunner:
                 logits_indices.append(start + count - 1)
                 sampling.append(seq)
             if index >= num_decode:
-                block_ids = mask = None
+                gather_ids = mask = None
                 if done:
                     blocks = -(-(done + count) // size)
-                    block_ids = torch.tensor(table[:blocks], device=self.device)
+                    gather_ids = self.gather_ids(table[:blocks])
                     query_positions = torch.arange(done, done + count, device=self.device)
                     key_positions = torch.arange(blocks * size, device=self.device)
                     mask = key_positions[None, :] <= query_positions[:, None]
-                prefills.append(PrefillChunk(start, count, done, block_ids, mask))
+                prefills.append(PrefillChunk(start, count, done, gather_ids, mask))
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, device=self.device),
             num_decode=num_decode,
+            decode_groups=self._decode_groups(decode_seqs),
             prefills=prefills,
         )
-        if num_decode:
-            decode_seqs = batch.seqs[:num_decode]
-            lengths = [seq.num_computed_tokens + 1 for seq in decode_seqs]
-            longest = max(lengths)
-            width = -(-longest // size)
-            block_ids_list: list[int] = []
-            for seq in decode_seqs:
-                row = seq.block_table[:width]
-                block_ids_list.extend(row)
-                block_ids_list.extend([0] * (width - len(row)))  # padding, masked out below
-            meta.decode_block_ids = torch.tensor(block_ids_list, device=self.device)
-            length_tensor = torch.tensor(lengths, device=self.device)
-            key_positions = torch.arange(width * size, device=self.device)
-            valid = key_positions[None, :] < length_tensor[:, None]
-            meta.decode_mask = valid[:, None, None, :]  # [D, 1, 1, width * block_size]
         return (
             torch.tensor(input_ids, device=self.device),
             torch.tensor(positions, device=self.device),
@@ -85,6 +94,54 @@ class ModelRunner:
             torch.tensor(logits_indices, device=self.device, dtype=torch.long),
             sampling,
         )
+
+    def _decode_groups(self, seqs: list[Sequence]) -> list[DecodeGroup]:
+        """Split single-token rows (longest first) into groups padded to their own longest.
+
+        The decode attention gathers every row's blocks padded to the group's widest, so
+        a group ends where a row needs under GROUP_FILL of the group's width; each group
+        costs a few more operations per layer, hence at most MAX_DECODE_GROUPS.
+        """
+        size = self.block_size
+        widths = [-(-len(seq) // size) for seq in seqs]  # blocks, with the token computed now
+        groups: list[DecodeGroup] = []
+        start = 0
+        while start < len(seqs):
+            width = widths[start]
+            end = start + 1
+            last_group = len(groups) == MAX_DECODE_GROUPS - 1
+            while end < len(seqs) and (last_group or widths[end] >= GROUP_FILL * width):
+                end += 1
+            block_ids: list[int] = []
+            for seq in seqs[start:end]:
+                row = seq.block_table[:width]
+                block_ids.extend(row)
+                block_ids.extend([0] * (width - len(row)))  # padding, masked out below
+            lengths = torch.tensor([len(seq) for seq in seqs[start:end]], device=self.device)
+            key_positions = torch.arange(width * size, device=self.device)
+            padding = key_positions[None, :] >= lengths[:, None]
+            bias = torch.zeros(padding.shape, dtype=self.compute_dtype, device=self.device)
+            bias.masked_fill_(padding, float("-inf"))
+            kv_heads = self.config.num_kv_heads
+            group = self.config.num_heads // kv_heads
+            blocks = torch.tensor(block_ids, device=self.device).view(end - start, width)
+            # every key slot of every row: [rows, width * block_size]
+            slots = (blocks[:, :, None] * size + self.slot_in_block).view(end - start, -1)
+            # rows of the flat [planes * num_blocks * block_size, dim] view holding V, one
+            # bag per (kv head, row, query head of the group): [kvh * rows * group, keys]
+            value_slots = self.value_offsets[:, None, None, None] + slots[None, :, None, :]
+            groups.append(
+                DecodeGroup(
+                    start,
+                    end,
+                    (self.key_offsets[:, None] + blocks.view(1, -1)).view(-1),
+                    value_slots.expand(-1, -1, group, -1).reshape(-1, width * size),
+                    # one row per (kv head, sequence), the decode attention's batch layout
+                    bias.repeat(kv_heads, 1)[:, None, :],
+                )
+            )
+            start = end
+        return groups
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:

@@ -6,10 +6,38 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# On CPUs without native bf16 matrix units (AVX2, most AVX-512), a bf16 GEMM runs
-# several times slower than fp32, so batched rows upcast the weight and multiply in
-# fp32; a single row is memory bound and reads the small weight directly.
+# On CPUs without native bf16 dot products (AVX2, AVX-512 before avx512_bf16), a bf16
+# GEMM runs several times slower than fp32, so batched rows multiply an fp32 copy of
+# the weight; a single row is memory bound and reads the narrow weight directly.
 SMALL_BATCH_ROWS = 4
+
+
+def cpu_has_native_bf16() -> bool:
+    """avx512_bf16 or AMX: bf16 GEMMs run ~4x faster than fp32 ones (measured on Zen 4)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight reordered into oneDNN's blocked layout, or None where that is unavailable.
+
+    oneDNN's matmul on a packed bf16 weight reads it about twice as fast for one to four
+    rows (decode) as `F.linear` on the plain tensor, and is no slower for large batches.
+    """
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        probe = torch.zeros((1, weight.shape[1]), dtype=weight.dtype)
+        linear_packed(probe, packed)
+    except (RuntimeError, AttributeError):
+        return None
+    return packed
+
+
+def linear_packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    # x: [rows, in] -> [rows, out], the weight packed by pack_for_onednn
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,6 +56,10 @@ class Linear(nn.Module):
         self.storage = storage
         self.compute_dtype = compute_dtype
         self.scale: torch.Tensor | None
+        # The weight in the compute dtype for batched rows, when the storage dtype differs
+        # (bf16 storage, fp32 compute): widening per matmul cost as much as the matmul.
+        self.wide_weight: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None
         if storage == "int8":
             quantized, scale = quantize_per_channel(weight.float())
             self.weight = nn.Parameter(quantized, requires_grad=False)
@@ -37,6 +69,10 @@ class Linear(nn.Module):
             dtype = torch.bfloat16 if storage == "bfloat16" else torch.float32
             self.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
             self.scale = None
+            if dtype != compute_dtype:
+                self.wide_weight = self.weight.detach().to(compute_dtype)
+            elif dtype == torch.bfloat16:
+                self.packed = pack_for_onednn(self.weight.detach())
 
     @property
     def out_features(self) -> int:
@@ -54,10 +90,12 @@ class Linear(nn.Module):
                 return out.to(self.compute_dtype)
             return F.linear(x, weight.to(x.dtype)) * self.scale.to(x.dtype)
         if weight.dtype == x.dtype:
+            if self.packed is not None:
+                return linear_packed(x, self.packed)
             return F.linear(x, weight)
-        if rows <= SMALL_BATCH_ROWS:
+        if rows <= SMALL_BATCH_ROWS or self.wide_weight is None:
             return F.linear(x.to(weight.dtype), weight).to(x.dtype)
-        return F.linear(x, weight.to(x.dtype))
+        return F.linear(x, self.wide_weight)
 
 
 class Embedding(nn.Module):

@@ -91,8 +91,8 @@ def test_preemption_by_recompute_loses_nothing(tiny_llama: Path, tmp_path: Path)
     from transformers import LlamaForCausalLM
 
     server = start_server(
-        ["--model", str(tiny_llama), "--max-model-len", "256", "--num-blocks", "20",
-         "--block-size", "16", "--max-num-batched-tokens", "64"],
+        ["--model", str(tiny_llama), "--dtype", "float32", "--max-model-len", "256",
+         "--num-blocks", "20", "--block-size", "16", "--max-num-batched-tokens", "64"],
         tmp_path / "small-kv.log",
     )  # fmt: skip
     try:
