@@ -1,80 +1,440 @@
-"""Gateway overhead: TTFT through the gateway minus TTFT straight to the same agent.
+"""Gateway overhead: TTFT through the gateway minus TTFT straight to the same engine.
 
-    DATABASE_URL=... REDIS_URL=... python -m bench.gateway_bench [--engine URL] [--mount]
+    python -m bench.gateway_bench [--quick] [--mount] [--engine URL] [--out DIR]
 
-Starts a real engine (unless --engine is given) and a gateway process (its own uvicorn
-process by default; --mount serves it from controlplane.asgi like `web` does), creates a
-bench tenant and routing table, then runs rounds that alternate direct and gateway
-streams (so both see the same engine state) at 1 and 32 concurrent streams. Prints TTFT
-p50/p95 for both paths, the added latency, and the throughput ratio, in one run.
-The database must be migrated.
+Sets up what it needs on stores of its own (PostgreSQL `cp_bench_gateway`, Redis db 8;
+override with BENCH_GATEWAY_DATABASE_URL / BENCH_GATEWAY_REDIS_URL; both are emptied,
+and dropped or emptied again at the end): migrates, creates a tenant with a key, starts
+a real engine (`python -m engine serve --model smollm2 --threads 1`, unless --engine
+names a running one) and a gateway process (`controlplane.gateway.asgi` under uvicorn;
+with --mount, `controlplane.asgi` as the `web` process serves it), and publishes a
+routing table that sends the bench model to that engine.
+
+Then, against the same engine, in one run:
+
+- 1 stream: requests one after another, alternating direct and gateway (ABBA order,
+  so drift in the machine's load falls on both alike); TTFT p50 and p95 of each path.
+- 32 streams: rounds in which 32 closed-loop workers each send two requests (one
+  under --quick) on one path, rounds alternating between the paths (ABBA); the
+  workers' starts are spread over a request's duration, as in steady traffic (not 32
+  requests in one burst); TTFT p50 and p95, and throughput: content tokens of a
+  path's rounds over their time.
+
+Every request sends the same prompt, greedy (temperature 0): the engine's prefix cache
+then keeps its prefill short and steady, so its own variation hides less of the
+gateway's, and both paths see the same cache. The client is a lean keep-alive HTTP/1.1
+client (the gateway's own upstream client), so on a two-core machine the load
+generator takes as little CPU from the gateway as it can.
+Figures: added TTFT (gateway minus direct) at p50 (target <= 1.5 ms) and p95, and
+throughput loss at 32 streams (target <= 5 %), each against the direct measurement.
 """
+
+from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
-import socket
+import random
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+BUDGET_S = 120
+QUICK_BUDGET_S = 90
+TEARDOWN_S = 12  # stopping the processes, dropping the stores, the plot
+MODEL_NAME = "bench-gateway"
+TARGET_ADDED_P50_MS = 1.5
+TARGET_LOSS_PERCENT = 5.0
+CONCURRENCY = 32
+CONCURRENT_MAX_TOKENS = 8
+# One prompt for every request, greedy: the engine's prefix cache makes its prefill
+# short and steady, so its own variation hides less of the gateway's.
 MESSAGES = [{"role": "user", "content": "Write one sentence about the sea."}]
 
 
+# -- measurements ------------------------------------------------------------------------
+
+
+@dataclass
+class PathSamples:
+    ttfts: list[float] = field(default_factory=list)  # seconds
+    tokens: int = 0  # content events of the measured rounds
+    window_s: float = 0.0  # the rounds' time
+    errors: dict[str, int] = field(default_factory=dict)  # reason -> count
+
+    def add_error(self, reason: str) -> None:
+        self.errors[reason] = self.errors.get(reason, 0) + 1
+
+    def percentile(self, q: float) -> float | None:
+        if not self.ttfts:
+            return None
+        ordered = sorted(self.ttfts)
+        position = q * (len(ordered) - 1)
+        low = int(position)
+        high = min(low + 1, len(ordered) - 1)
+        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+    @property
+    def throughput(self) -> float | None:
+        return self.tokens / self.window_s if self.window_s > 0 else None
+
+
+@dataclass
+class Result:
+    started: float
+    ttft: float | None
+    token_times: list[float]
+    error: str = ""  # empty when the request succeeded
+
+    @property
+    def duration(self) -> float:
+        return self.token_times[-1] - self.started if self.token_times else 0.0
+
+
+class Client:
+    """Streams chat completions and timestamps their content events."""
+
+    def __init__(self, key: str) -> None:
+        from controlplane.gateway.upstream import UpstreamPool
+
+        self.pool = UpstreamPool(connect_timeout_s=5, read_timeout_s=120, keepalive_expiry_s=60)
+        self.headers = [("content-type", "application/json"), ("authorization", f"Bearer {key}")]
+
+    async def stream(self, base_url: str, max_tokens: int) -> Result:
+        from controlplane.gateway.metering import split_events
+
+        body = json.dumps(
+            {
+                "model": MODEL_NAME,
+                "messages": MESSAGES,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": True,
+            }
+        ).encode()
+        started = time.perf_counter()
+        ttft = None
+        token_times: list[float] = []
+        try:
+            response = await self.pool.post(base_url, "/v1/chat/completions", body, self.headers)
+        except Exception as error:
+            return Result(started, None, [], f"{type(error).__name__}: {error}")
+        try:
+            if response.status != 200:
+                text = (await response.read())[:200].decode(errors="replace")
+                return Result(started, None, [], f"HTTP {response.status}: {text}")
+            buffer = b""
+            async for piece in response.iter_bytes():
+                buffer += piece
+                events, buffer = split_events(buffer)
+                for event in events:
+                    if not event.startswith(b"data: {"):
+                        continue
+                    choices = json.loads(event[6:]).get("choices") or []
+                    if choices and (choices[0].get("delta") or {}).get("content"):
+                        now = time.perf_counter()
+                        token_times.append(now)
+                        if ttft is None:
+                            ttft = now - started
+        except Exception as error:
+            return Result(started, ttft, token_times, f"{type(error).__name__}: {error}")
+        finally:
+            response.close()
+        return Result(started, ttft, token_times, "" if ttft is not None else "no content")
+
+
+def _order(index: int) -> tuple[str, str]:
+    """ABBA: direct first in pairs 0, 3, 4, 7, ...; gateway first in the others."""
+    return ("direct", "gateway") if index % 4 in (0, 3) else ("gateway", "direct")
+
+
+async def measure_single(
+    client: Client, urls: dict[str, str], until: float, max_tokens: int
+) -> tuple[dict[str, PathSamples], list[float]]:
+    """Pairs of requests, one per path; also each pair's gateway-minus-direct TTFT."""
+    samples = {name: PathSamples() for name in urls}
+    differences = []
+    index = 0
+    while time.perf_counter() < until or index < 4:
+        ttfts = {}
+        for name in _order(index):
+            result = await client.stream(urls[name], max_tokens)
+            if result.error:
+                samples[name].add_error(result.error)
+            else:
+                samples[name].ttfts.append(result.ttft)
+                ttfts[name] = result.ttft
+        if len(ttfts) == 2:
+            differences.append(ttfts["gateway"] - ttfts["direct"])
+        index += 1
+    return samples, differences
+
+
+def bootstrap_interval(direct: list[float], gateway: list[float], q: float) -> tuple[float, float]:
+    """A 95 % bootstrap interval of percentile(gateway, q) - percentile(direct, q)."""
+    rng = random.Random(0)
+    estimates = []
+    for _ in range(1000):
+        d = PathSamples(ttfts=rng.choices(direct, k=len(direct))).percentile(q)
+        g = PathSamples(ttfts=rng.choices(gateway, k=len(gateway))).percentile(q)
+        estimates.append(g - d)  # type: ignore[operator]
+    estimates.sort()
+    return estimates[25], estimates[974]
+
+
+async def _round(
+    client: Client,
+    url: str,
+    requests_each: int,
+    max_tokens: int,
+    into: PathSamples,
+    stagger_s: float,
+    durations: list[float],
+) -> None:
+    """CONCURRENCY closed-loop workers, each sending `requests_each` requests in turn.
+
+    Worker i starts i * stagger_s after the first, so that requests arrive spread over a
+    request's duration as in steady traffic, not as one burst of 32 at a time.
+    """
+    start = time.perf_counter()
+
+    async def worker(index: int) -> None:
+        await asyncio.sleep(index * stagger_s)
+        for _ in range(requests_each):
+            result = await client.stream(url, max_tokens)
+            if result.error:
+                into.add_error(result.error)
+                continue
+            into.ttfts.append(result.ttft)
+            into.tokens += len(result.token_times)
+            durations.append(result.duration)
+
+    await asyncio.gather(*(worker(index) for index in range(CONCURRENCY)))
+    into.window_s += time.perf_counter() - start
+
+
+async def measure_concurrent(
+    client: Client,
+    urls: dict[str, str],
+    until: float,
+    requests_each: int,
+    max_tokens: int,
+    durations: list[float],
+) -> tuple[dict[str, PathSamples], int]:
+    samples = {name: PathSamples() for name in urls}
+    pair_s = 0.0
+    index = 0
+    # Only whole pairs of rounds (one per path), so both paths get the same work.
+    while index < 1 or time.perf_counter() + pair_s < until:
+        pair_started = time.perf_counter()
+        for name in _order(index):
+            stagger_s = statistics.median(durations) / CONCURRENCY if durations else 0.0
+            await _round(
+                client, urls[name], requests_each, max_tokens, samples[name], stagger_s, durations
+            )
+        pair_s = time.perf_counter() - pair_started
+        index += 1
+    return samples, index
+
+
+async def measure(
+    urls: dict[str, str], key: str, deadline: float, quick: bool
+) -> tuple[dict[str, dict[str, PathSamples]], list[str]]:
+    client = Client(key)
+    notes = []
+    # Warm both paths: connections, the gateway's key cache, the engine's first batches.
+    for _ in range(3):
+        for name in ("direct", "gateway"):
+            await client.stream(urls[name], 2)
+    warm = {name: PathSamples() for name in urls}
+    durations: list[float] = []  # of requests at CONCURRENCY streams, for the stagger
+    for name in ("direct", "gateway"):
+        await _round(client, urls[name], 1, CONCURRENT_MAX_TOKENS, warm[name], 0.0, durations)
+    available = deadline - time.perf_counter()
+    single_until = time.perf_counter() + available * 0.4
+    single, differences = await measure_single(client, urls, single_until, max_tokens=1)
+    notes.append(f"1 stream: {len(differences)} pairs of requests (max_tokens 1), ABBA order")
+    if differences:
+        notes.append(
+            f"1 stream: median of the pairs' TTFT differences (gateway - direct) "
+            f"{statistics.median(differences) * 1000:+.2f} ms"
+        )
+    requests_each = 1 if quick else 2
+    concurrent, round_pairs = await measure_concurrent(
+        client, urls, deadline, requests_each, CONCURRENT_MAX_TOKENS, durations
+    )
+    notes.append(
+        f"{CONCURRENCY} streams: {round_pairs} pairs of rounds, ABBA order; a round: "
+        f"{CONCURRENCY} workers x {requests_each} request(s) of max_tokens "
+        f"{CONCURRENT_MAX_TOKENS}, their starts spread over a request's median duration "
+        f"({statistics.median(durations):.2f} s); throughput: content tokens / round time"
+    )
+    await client.pool.aclose()
+    return {"1": single, str(CONCURRENCY): concurrent}, notes
+
+
+# -- figures -----------------------------------------------------------------------------
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 3)
+
+
+def figures_from(samples: dict[str, dict[str, PathSamples]]) -> list[dict[str, Any]]:
+    figures = []
+    for streams, paths in samples.items():
+        direct, gateway = paths["direct"], paths["gateway"]
+        label = "1 stream" if streams == "1" else f"{streams} streams"
+        for q, name in ((0.5, "p50"), (0.95, "p95")):
+            d, g = direct.percentile(q), gateway.percentile(q)
+            figure: dict[str, Any] = {
+                "name": f"added TTFT {name}, {label}",
+                "unit": "ms",
+                "reference": f"direct to the engine, TTFT {name}, {label}",
+            }
+            if d is None or g is None:
+                figures.append(figure | {"value": None, "skipped": "no successful requests"})
+                continue
+            figures.append(
+                figure
+                | {
+                    "value": _ms(g - d),
+                    "reference_value": _ms(d),
+                    "ratio": g / d,
+                    "target": f"value <= {TARGET_ADDED_P50_MS}"
+                    if name == "p50"
+                    else "shown (p50 is the target)",
+                }
+            )
+    paths = samples[str(CONCURRENCY)]
+    direct_rate, gateway_rate = paths["direct"].throughput, paths["gateway"].throughput
+    figure = {
+        "name": f"throughput loss, {CONCURRENCY} streams",
+        "unit": "%",
+        "reference": f"direct to the engine, content tokens/s at {CONCURRENCY} streams",
+    }
+    if direct_rate and gateway_rate is not None:
+        figures.append(
+            figure
+            | {
+                "value": round((1 - gateway_rate / direct_rate) * 100, 2),
+                "reference_value": round(direct_rate, 2),
+                "ratio": gateway_rate / direct_rate,
+                "target": f"value <= {TARGET_LOSS_PERCENT:g}",
+            }
+        )
+    else:
+        figures.append(figure | {"value": None, "skipped": "no tokens measured"})
+    return figures
+
+
+def plot(samples: dict[str, dict[str, PathSamples]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(samples), figsize=(10, 4))
+    for axis, (streams, paths) in zip(axes, samples.items(), strict=True):
+        for name, style in (("direct", "-"), ("gateway", "--")):
+            values = sorted(t * 1000 for t in paths[name].ttfts)
+            if values:
+                fractions = [(i + 1) / len(values) for i in range(len(values))]
+                axis.plot(values, fractions, style, label=f"{name} (n={len(values)})")
+        axis.set_title(f"TTFT, {streams} stream{'s' if streams != '1' else ''}")
+        axis.set_xlabel("ms")
+        axis.set_ylabel("fraction of requests")
+        axis.grid(alpha=0.3)
+        axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+# -- set-up ------------------------------------------------------------------------------
+
+
 def _free_port() -> int:
+    import socket
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
-def _wait(url: str, timeout: float, expect_ok: bool = True) -> None:
+def _is_up(url: str, path: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url + path, timeout=1).status_code < 500
+    except httpx.HTTPError:
+        return False
+
+
+def _wait(predicate, timeout: float, what: str, processes: list) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            response = httpx.get(url, timeout=1)
-            if response.status_code == 200 or not expect_ok:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise SystemExit(f"{url} did not come up in {timeout}s")
+        for name, process, log in processes:
+            if process.poll() is not None:
+                tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
+                raise RuntimeError(f"{name} exited with {process.returncode}: {tail}")
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{what} not within {timeout:.0f} s")
 
 
-def _setup(model_name: str) -> tuple[str, int]:
-    import django
+def _reset_stores(database_url: str, redis_url: str, *, drop: bool = False) -> None:
+    import psycopg
+    import redis
 
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
-    django.setup()
+    base, name = database_url.rsplit("/", 1)
+    if not name.replace("_", "").isalnum():
+        raise ValueError(f"database name {name!r}: letters, digits and '_' only")
+    with psycopg.connect(f"{base}/postgres", autocommit=True) as connection:
+        connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        if not drop:
+            connection.execute(f'CREATE DATABASE "{name}"')
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    client.close()
+
+
+def _create_tenant() -> tuple[str, int]:
     from controlplane.registry.models import Artifact, Model, ModelVersion
     from controlplane.tenants.services import api_key_create, tenant_create
 
-    model, _ = Model.objects.get_or_create(name=model_name, defaults={"task": "chat"})
-    version = ModelVersion.objects.filter(model=model).first()
-    if version is None:
-        artifact = Artifact.objects.create(digest=uuid.uuid4().hex * 2, format="gguf", size_bytes=1)
-        version = ModelVersion.objects.create(
-            model=model,
-            label="bench",
-            artifact=artifact,
-            serving_config={
-                "dtype": "float32",
-                "max_model_len": 2048,
-                "kv_block_size": 16,
-                "max_num_seqs": 64,
-                "max_num_batched_tokens": 4096,
-            },
-        )
+    model = Model.objects.create(name=MODEL_NAME, task="chat")
+    artifact = Artifact.objects.create(digest=uuid.uuid4().hex * 2, format="gguf", size_bytes=1)
+    version = ModelVersion.objects.create(
+        model=model,
+        label="bench",
+        artifact=artifact,
+        serving_config={
+            "dtype": "float32",
+            "max_model_len": 2048,
+            "kv_block_size": 16,
+            "max_num_seqs": 64,
+            "max_num_batched_tokens": 512,
+        },
+    )
     tenant = tenant_create(
         actor=None,
-        slug=f"bench-{uuid.uuid4().hex[:8]}",
-        name="Bench",
+        slug="bench-gateway",
+        name="Gateway bench",
         requests_per_minute=1_000_000,
         tokens_per_minute=1_000_000_000,
         allowed_models=[model],
@@ -82,135 +442,173 @@ def _setup(model_name: str) -> tuple[str, int]:
     return api_key_create(actor=None, tenant=tenant, name="bench").raw_key, version.pk
 
 
-async def _stream(client: httpx.AsyncClient, url: str, key: str, max_tokens: int):
-    """(TTFT seconds, completion chunks) of one streamed chat completion."""
-    started = time.perf_counter()
-    ttft = None
-    chunks = 0
-    body = {"model": "bench", "messages": MESSAGES, "max_tokens": max_tokens, "stream": True}
-    headers = {"Authorization": f"Bearer {key}"}
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            choices = chunk.get("choices") or []
-            if choices and (choices[0].get("delta") or {}).get("content"):
-                chunks += 1
-                if ttft is None:
-                    ttft = time.perf_counter() - started
-    return ttft, chunks
-
-
-async def _round(url: str, key: str, concurrency: int, max_tokens: int, client):
-    started = time.perf_counter()
-    results = await asyncio.gather(
-        *(_stream(client, url, key, max_tokens) for _ in range(concurrency))
+def run_bench(
+    out_dir: Path, quick: bool, *, engine_url: str | None = None, mount: bool = False
+) -> dict[str, Any]:
+    started = time.monotonic()
+    budget = QUICK_BUDGET_S if quick else BUDGET_S
+    out_dir.mkdir(parents=True, exist_ok=True)
+    database_url = os.environ.get(
+        "BENCH_GATEWAY_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/cp_bench_gateway"
     )
-    wall = time.perf_counter() - started
-    return [r[0] for r in results if r[0] is not None], sum(r[1] for r in results), wall
+    redis_url = os.environ.get("BENCH_GATEWAY_REDIS_URL", "redis://127.0.0.1:6379/8")
+    try:
+        _reset_stores(database_url, redis_url)
+    except Exception as error:
+        return {"skipped": f"PostgreSQL or Redis not available: {error}"}
+    spool = Path(tempfile.mkdtemp(prefix="gateway-bench-spool-"))
+    env = {
+        **os.environ,
+        "DEBUG": "1",
+        "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+        "DATABASE_URL": database_url,
+        "REDIS_URL": redis_url,
+        "CELERY_QUEUE": "bench-gateway",
+        "CHANNELS_PREFIX": "bench-gateway",
+        "LOG_LEVEL": "WARNING",
+        "LOG_FORMAT": "plain",
+        "GATEWAY_SPOOL_DIR": str(spool),
+        "PYTHONUNBUFFERED": "1",
+    }
+    os.environ.update({k: env[k] for k in ("DEBUG", "DJANGO_SETTINGS_MODULE", "DATABASE_URL",
+                                           "REDIS_URL", "CELERY_QUEUE", "CHANNELS_PREFIX",
+                                           "LOG_LEVEL", "LOG_FORMAT")})  # fmt: skip
+    processes: list[tuple[str, subprocess.Popen, Path]] = []
+
+    def spawn(name: str, args: list[str]) -> None:
+        log = out_dir / f"{name}.log"
+        with log.open("wb") as handle:
+            # Same process group as the bench: the suite's time limit stops them too.
+            process = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=handle,
+                                       stderr=subprocess.STDOUT)  # fmt: skip
+        processes.append((name, process, log))
+
+    try:
+        if engine_url is None:
+            port = _free_port()
+            spawn("engine", [sys.executable, "-m", "engine", "serve", "--model", "smollm2",
+                             "--threads", "1", "--host", "127.0.0.1", "--port", str(port),
+                             "--served-model-name", MODEL_NAME, "--device", "cpu",
+                             "--log-level", "warning"])  # fmt: skip
+            engine_url = f"http://127.0.0.1:{port}"
+        subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"],
+                       cwd=REPO_ROOT, env=env, check=True)  # fmt: skip
+        import django
+
+        django.setup()
+        key, version_id = _create_tenant()
+        gateway_port = _free_port()
+        app = "controlplane.asgi:application" if mount else "controlplane.gateway.asgi:application"
+        spawn("gateway", [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1",
+                          "--port", str(gateway_port), "--no-access-log",
+                          "--log-level", "warning"])  # fmt: skip
+        gateway_url = f"http://127.0.0.1:{gateway_port}"
+        _wait(lambda: _is_up(gateway_url, "/v1/models"), 60, "gateway", processes)
+        _wait(lambda: _is_up(engine_url, "/health"), 180, "engine", processes)
+
+        from controlplane.gateway.services import routing_table_publish
+
+        routing_table_publish(
+            deployment=MODEL_NAME,
+            model=MODEL_NAME,
+            versions=[{"version_id": version_id, "label": "bench", "weight": 100,
+                       "endpoints": [engine_url]}],
+        )  # fmt: skip
+
+        def routed() -> bool:
+            import httpx
+
+            response = httpx.get(
+                f"{gateway_url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=2
+            )
+            return MODEL_NAME in [m["id"] for m in response.json().get("data", [])]
+
+        _wait(routed, 20, "the bench model routed by the gateway", processes)
+        setup_s = time.monotonic() - started
+        measure_s = budget - TEARDOWN_S - setup_s
+        if measure_s < 20:
+            return {"skipped": f"set-up took {setup_s:.0f} s of the {budget} s budget"}
+        deadline = time.perf_counter() + measure_s
+        urls = {"direct": engine_url, "gateway": gateway_url}
+        samples, notes = asyncio.run(measure(urls, key, deadline, quick))
+    finally:
+        for _, process, _ in reversed(processes):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for _, process, _ in processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        with contextlib.suppress(Exception):
+            from django.db import connections
+
+            connections.close_all()
+        with contextlib.suppress(Exception):
+            _reset_stores(database_url, redis_url, drop=True)
+    figures = figures_from(samples)
+    notes = [
+        f"engine: smollm2 float32, 1 torch thread, {engine_url}; gateway: {app} "
+        f"(uvicorn, its own process{'; the web app with /v1/ mounted' if mount else ''})",
+        f"set-up {setup_s:.0f} s, measured {measure_s:.0f} s",
+        *notes,
+    ]
+    for streams, paths in samples.items():
+        direct, gateway = paths["direct"].ttfts, paths["gateway"].ttfts
+        if len(direct) >= 10 and len(gateway) >= 10:
+            low, high = bootstrap_interval(direct, gateway, 0.5)
+            notes.append(
+                f"{streams} stream(s): added TTFT p50, 95 % bootstrap interval "
+                f"[{low * 1000:+.2f}, {high * 1000:+.2f}] ms"
+            )
+        for name, path_samples in paths.items():
+            p50, p95 = _ms(path_samples.percentile(0.5)), _ms(path_samples.percentile(0.95))
+            line = (
+                f"{streams} stream(s), {name}: n={len(path_samples.ttfts)} "
+                f"errors={sum(path_samples.errors.values())} TTFT p50 {p50} ms p95 {p95} ms"
+            )
+            if streams != "1" and path_samples.throughput:
+                line += f", {path_samples.throughput:.1f} tokens/s"
+            notes.append(line)
+            for reason, count in sorted(path_samples.errors.items(), key=lambda i: -i[1])[:3]:
+                notes.append(f"  {count} x {reason}")
+    result: dict[str, Any] = {"figures": figures, "notes": notes}
+    if plot(samples, out_dir / "ttft.png"):
+        result["plots"] = ["ttft.png"]
+    return result
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, round(q * (len(ordered) - 1))))]
-
-
-async def _measure(engine: str, gateway: str, key: str, concurrency: int, rounds: int, tokens):
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        for url in (engine, gateway):  # warm both paths (connections, caches)
-            await _round(url, key, min(concurrency, 4), 2, client)
-        figures = {"direct": ([], 0, 0.0), "gateway": ([], 0, 0.0)}
-        for index in range(rounds):
-            order = [("direct", engine), ("gateway", gateway)]
-            if index % 2:
-                order.reverse()
-            for name, url in order:
-                ttfts, chunk_count, wall = await _round(url, key, concurrency, tokens, client)
-                old = figures[name]
-                figures[name] = (old[0] + ttfts, old[1] + chunk_count, old[2] + wall)
-    return figures
+def run(out_dir: Path, quick: bool) -> dict[str, Any]:
+    """The bench step: measure, plot into out_dir, return the figures."""
+    return run_bench(out_dir, quick)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--quick", action="store_true", help=f"{QUICK_BUDGET_S} s instead of {BUDGET_S} s"
+    )
     parser.add_argument("--engine", help="base URL of a running engine (default: start one)")
     parser.add_argument("--mount", action="store_true", help="serve via controlplane.asgi")
-    parser.add_argument("--rounds-1", type=int, default=20)
-    parser.add_argument("--rounds-32", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--out", type=Path, help="folder for logs and the plot")
     args = parser.parse_args()
-
-    key, version_id = _setup("bench")
-    from controlplane.gateway.services import routing_table_publish
-
-    processes = []
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    try:
-        engine = args.engine
-        if engine is None:
-            port = _free_port()
-            processes.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "engine", "serve", "--model", "smollm2",
-                     "--threads", "1", "--port", str(port), "--served-model-name", "bench",
-                     "--log-level", "warning"],
-                    cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                )
-            )  # fmt: skip
-            engine = f"http://127.0.0.1:{port}"
-        gateway_port = _free_port()
-        app = (
-            "controlplane.asgi:application"
-            if args.mount
-            else "controlplane.gateway.asgi:application"
+    out_dir = args.out or Path(tempfile.mkdtemp(prefix="gateway-bench-"))
+    result = run_bench(out_dir, args.quick, engine_url=args.engine, mount=args.mount)
+    if "skipped" in result:
+        raise SystemExit(f"skipped: {result['skipped']}")
+    for figure in result["figures"]:
+        if figure.get("skipped"):
+            print(f"{figure['name']}: skipped ({figure['skipped']})")
+            continue
+        print(
+            f"{figure['name']}: {figure['value']} {figure['unit']} "
+            f"(reference {figure['reference_value']}: {figure['reference']}; "
+            f"target {figure['target']})"
         )
-        processes.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", app, "--port", str(gateway_port),
-                 "--no-access-log", "--log-level", "warning"],
-                cwd=REPO_ROOT, env=env,
-            )
-        )  # fmt: skip
-        gateway = f"http://127.0.0.1:{gateway_port}"
-        _wait(f"{engine}/health", 300)
-        _wait(f"{gateway}/v1/models", 60, expect_ok=False)
-        routing_table_publish(
-            deployment="bench",
-            model="bench",
-            versions=[
-                {"version_id": version_id, "label": "bench", "weight": 100, "endpoints": [engine]}
-            ],
-        )
-        time.sleep(1.0)
-        print(f"engine {engine}  gateway {gateway} ({app})  max_tokens={args.max_tokens}")
-        for concurrency, rounds in ((1, args.rounds_1), (32, args.rounds_32)):
-            figures = asyncio.run(
-                _measure(engine, gateway, key, concurrency, rounds, args.max_tokens)
-            )
-            direct_ttft, direct_chunks, direct_wall = figures["direct"]
-            gw_ttft, gw_chunks, gw_wall = figures["gateway"]
-            p50_d, p95_d = _percentile(direct_ttft, 0.5), _percentile(direct_ttft, 0.95)
-            p50_g, p95_g = _percentile(gw_ttft, 0.5), _percentile(gw_ttft, 0.95)
-            mean_added_ms = (statistics.fmean(gw_ttft) - statistics.fmean(direct_ttft)) * 1000
-            throughput_d = direct_chunks / direct_wall
-            throughput_g = gw_chunks / gw_wall
-            print(
-                f"concurrency {concurrency:>2}: n={len(gw_ttft)}  "
-                f"TTFT p50 direct {p50_d * 1000:.2f} ms gateway {p50_g * 1000:.2f} ms "
-                f"(added {(p50_g - p50_d) * 1000:+.2f} ms)  "
-                f"p95 direct {p95_d * 1000:.2f} ms gateway {p95_g * 1000:.2f} ms "
-                f"(added {(p95_g - p95_d) * 1000:+.2f} ms)  "
-                f"mean added {mean_added_ms:+.2f} ms  "
-                f"throughput {throughput_g:.1f}/{throughput_d:.1f} tok/s "
-                f"= {throughput_g / throughput_d:.3f} of direct"
-            )  # fmt: skip
-    finally:
-        for process in processes:
-            process.terminate()
-            process.wait(timeout=20)
+    for note in result["notes"]:
+        print(f"  {note}")
+    print(f"logs and plot in {out_dir}")
 
 
 if __name__ == "__main__":

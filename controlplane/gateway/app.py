@@ -1,10 +1,11 @@
 """The tenants' OpenAI-compatible entry point, as a raw ASGI application.
 
-No Django middleware or URL resolver runs per request: keys and routes come from
-in-memory caches (caches.py), limits from one Redis script (ratelimit.py), and the
-response streams through from the agent as it arrives (one shared httpx pool). After
-the response, one entry goes to the requests stream, or to the local spool when Redis
-does not take it.
+No Django middleware, URL resolver or database query runs per request: keys and routes
+come from in-memory caches (caches.py), limits from one Redis script (ratelimit.py), and
+the response streams through from the agent as it arrives (pooled keep-alive
+connections, upstream.py). After the response, its requests-stream entry and token
+settlement are queued for a background writer (recorder.py), which sends whatever has
+gathered in one pipeline, or spools entries when Redis does not take them.
 
 `gateway_mount(django_app)` serves /v1/ here and everything else through Django.
 """
@@ -19,7 +20,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import redis
 import redis.asyncio as aioredis
 from django.conf import settings
@@ -42,10 +42,20 @@ from controlplane.gateway.metering import (
     response_usage_and_text,
     split_events,
 )
-from controlplane.gateway.ratelimit import Admission, RateLimiter
+from controlplane.gateway.ratelimit import Admission, Headroom, RateLimiter
+from controlplane.gateway.recorder import KeyUses, RecordWriter, keys_touch
+from controlplane.gateway.redis_client import redis_from_url
 from controlplane.gateway.selectors import KeyGrant
 from controlplane.gateway.services import INVALIDATE_CHANNEL
 from controlplane.gateway.spool import Spool
+from controlplane.gateway.upstream import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
+from controlplane.tenants.services import api_key_touch
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +72,8 @@ ROUTES = {
     "/v1/embeddings": ("embeddings", "embeddings"),
 }
 CLIENT_CLOSED = 499
+KEY_TOUCH_INTERVAL_S = 60.0  # ApiKey.last_used_at: at most one write a minute per key
+KEY_TOUCH_FLUSH_S = 1.0
 
 
 def _error_body(status: int, code: str, message: str, error_type: str, param: str | None = None):
@@ -78,6 +90,7 @@ class Outcome:
     agent: str = ""
     attempts: int = 0
     is_complete: bool = False
+    is_client_gone: bool = False
     response_body: bytes = b""
     meter: StreamMeter | None = None
 
@@ -134,11 +147,15 @@ async def _read_body(receive, limit: int) -> bytes:
             return b"".join(chunks)
 
 
-async def _wait_disconnect(receive) -> None:
+async def _watch_disconnect(receive, outcome: "Outcome", task: asyncio.Task) -> None:
+    """Cancel the request's task when the client goes away before its response is sent."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            return
+            break
+    if not outcome.is_complete:
+        outcome.is_client_gone = True
+        task.cancel()
 
 
 class Gateway:
@@ -158,7 +175,7 @@ class Gateway:
         async with self._start_lock:
             if self.is_started:
                 return
-            self.redis = aioredis.Redis.from_url(
+            self.redis = redis_from_url(
                 settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=1
             )
             self.pubsub_redis = aioredis.Redis.from_url(
@@ -167,29 +184,29 @@ class Gateway:
             self.sync_redis = redis.Redis.from_url(
                 settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=2
             )
-            self.http = httpx.AsyncClient(
-                timeout=httpx.Timeout(
-                    connect=settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT_S,
-                    read=settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S,
-                    write=30.0,
-                    pool=30.0,
-                ),
-                limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200),
+            self.upstream = UpstreamPool(
+                connect_timeout_s=settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT_S,
+                read_timeout_s=settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S,
             )
             self.keys = KeyCache(ttl_s=settings.GATEWAY_KEY_CACHE_TTL_S)
+            self.key_uses = KeyUses(interval_s=KEY_TOUCH_INTERVAL_S)
             self.routing = RoutingCache()
             self.limiter = RateLimiter(self.redis)
+            self.headroom = Headroom()
             self.spool = Spool(
                 settings.GATEWAY_SPOOL_DIR, max_bytes=settings.GATEWAY_SPOOL_MAX_BYTES
             )
+            self.writer = RecordWriter(self.redis, self.spool)
             try:
                 await self.routing.refresh_all(self.redis)
             except (redis.RedisError, OSError) as exc:
                 logger.warning("routing tables unavailable at start", extra={"error": str(exc)})
+            self._writer_task = asyncio.create_task(self.writer.run())
             self._tasks = [
                 asyncio.create_task(self._listen()),
                 asyncio.create_task(self._refresh_periodically()),
                 asyncio.create_task(self._replay_spool_periodically()),
+                asyncio.create_task(self._touch_keys_periodically()),
             ]
             self.is_started = True
 
@@ -201,9 +218,16 @@ class Gateway:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        self._writer_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._writer_task
+        with contextlib.suppress(Exception):
+            await self.writer.drain()
+        with contextlib.suppress(Exception):
+            await self._touch_keys()
         with contextlib.suppress(Exception):
             await asyncio.to_thread(self.spool.replay, self._write_entries)
-        await self.http.aclose()
+        await self.upstream.aclose()
         await self.redis.aclose()
         await self.pubsub_redis.aclose()
         self.sync_redis.close()
@@ -261,6 +285,21 @@ class Gateway:
             except Exception as exc:
                 logger.warning("spool replay failed; will retry", extra={"error": str(exc)})
             await asyncio.sleep(settings.GATEWAY_SPOOL_RETRY_S)
+
+    async def _touch_keys(self) -> None:
+        used = self.key_uses.take()
+        if used:
+            await asyncio.to_thread(keys_touch, used, api_key_touch)
+
+    async def _touch_keys_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(KEY_TOUCH_FLUSH_S)
+            try:
+                await self._touch_keys()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("key last-used times not written", extra={"error": str(exc)})
 
     # ASGI.
 
@@ -368,6 +407,7 @@ class Gateway:
             raise GatewayRequestError(
                 401, "invalid_api_key", "Incorrect API key provided.", "invalid_request_error"
             )
+        self.key_uses.note(grant.key_id, time.monotonic())
         return grant
 
     async def _models(self, grant: KeyGrant, send) -> None:
@@ -387,6 +427,7 @@ class Gateway:
     # Proxying.
 
     async def _admit(self, grant: KeyGrant, estimate: int) -> Admission | None:
+        """The request's admission; GatewayRequestError(429) when a limit refuses it."""
         try:
             admission = await self.limiter.admit(
                 tenant_id=grant.tenant_id,
@@ -399,6 +440,13 @@ class Gateway:
             RATE_LIMIT_UNAVAILABLE.inc()
             logger.warning("rate limit unavailable; admitting", extra={"error": str(exc)})
             return None
+        self.headroom.record(
+            grant.tenant_id,
+            admission,
+            requests_per_minute=grant.requests_per_minute,
+            tokens_per_minute=grant.tokens_per_minute,
+            now=time.monotonic(),
+        )
         if not admission.is_allowed:
             raise GatewayRequestError(
                 429,
@@ -431,17 +479,25 @@ class Gateway:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             max_tokens = settings.GATEWAY_DEFAULT_COMPLETION_TOKENS if kind != "embeddings" else 0
         estimate = estimate_tokens(len(text)) + max_tokens
-        admission = await self._admit(grant, estimate)
+        # A stream's admission (a round trip to Redis) runs alongside the request to the
+        # agent, whose answer starts with the response head before any token; the
+        # admission is awaited before anything goes to the client. Only tenants that were
+        # far below their limits moments ago get this: for the others, and for whole
+        # responses, the admission comes first, so refused requests never reach an agent.
+        admit = asyncio.ensure_future(self._admit(grant, estimate))
+        if not (is_stream and self.headroom.is_plenty(grant.tenant_id, time.monotonic())):
+            await admit
 
         affinity_value = None
         if table.affinity is Affinity.TENANT:
             affinity_value = str(grant.tenant_id)
         elif table.affinity is Affinity.SESSION:
             affinity_value = session_id
-        version = choose_version(table, affinity_value)
+        version = choose_version(table, affinity_value, grant.tenant_slug)
         if version is None:
-            if admission is not None:
-                await self._settle(grant, admission, -estimate)
+            admission = await admit
+            if admission is not None and estimate:
+                self.writer.put(None, (grant.tenant_id, admission.window, -estimate))
             raise GatewayRequestError(
                 503,
                 "no_ready_agent",
@@ -465,31 +521,25 @@ class Gateway:
                 is_usage_stripped=is_usage_stripped,
                 is_capturing=grant.is_prompt_logging,
             )
-        relay = asyncio.ensure_future(
-            self._relay(send, outcome, version, path, raw, request_id, is_stream)
-        )
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        # The relay runs in this task; a watcher cancels it if the client goes away (the
+        # upstream connection is then closed, and the engine aborts the sequence).
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, outcome, task))
         try:
-            done, _ = await asyncio.wait((relay, watcher), return_when=asyncio.FIRST_COMPLETED)
-            if relay in done or outcome.is_complete:
-                watcher.cancel()
-                await relay
-            else:
-                # The client went away: cancelling closes the upstream stream, and the
-                # engine aborts the sequence when its connection drops.
-                relay.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await relay
-                outcome.status = CLIENT_CLOSED
+            await self._relay(send, outcome, version, path, raw, request_id, admit)
+        except asyncio.CancelledError:
+            if not outcome.is_client_gone:
+                raise
+            task.uncancel()
+            outcome.status = CLIENT_CLOSED
         except BaseException:
-            relay.cancel()
-            watcher.cancel()
             if outcome.status == 0:
                 outcome.status = CLIENT_CLOSED
             raise
         finally:
+            watcher.cancel()
             finished = time.perf_counter()
-            REQUESTS_TOTAL.labels(str(outcome.status)).inc()
             record = self._record(
                 request_id=request_id,
                 grant=grant,
@@ -502,31 +552,24 @@ class Gateway:
                 outcome=outcome,
                 text=text,
             )
-            tokens = record.prompt_tokens + record.completion_tokens
-            await asyncio.shield(self._finish(grant, admission, tokens - estimate, record))
+            if admit.done():
+                self._finish(admit, record, estimate)
+            else:  # the client left before the admission came back
+                admit.add_done_callback(lambda future: self._finish(future, record, estimate))
 
-    async def _finish(
-        self, grant: KeyGrant, admission: Admission | None, delta: int, record: RequestRecord
+    def _finish(
+        self, admit: "asyncio.Future[Admission | None]", record: RequestRecord, estimate: int
     ) -> None:
-        if admission is not None:
-            await self._settle(grant, admission, delta)
-        await self._emit(record)
-
-    async def _settle(self, grant: KeyGrant, admission: Admission, delta: int) -> None:
-        try:
-            await self.limiter.settle(
-                tenant_id=grant.tenant_id, window=admission.window, delta=delta
-            )
-        except (redis.RedisError, OSError) as exc:
-            logger.warning("token settle failed", extra={"error": str(exc)})
-
-    async def _emit(self, record: RequestRecord) -> None:
-        fields = record.to_fields()
-        try:
-            await self.redis.xadd(REQUESTS_STREAM, fields, maxlen=REQUESTS_MAXLEN, approximate=True)
-        except (redis.RedisError, OSError) as exc:
-            logger.warning("requests stream unavailable; spooling", extra={"error": str(exc)})
-            await asyncio.to_thread(self.spool.append, fields)
+        """Queue the request's stream entry and settlement, unless it was refused."""
+        if admit.cancelled() or admit.exception() is not None:
+            return  # refused (429): no usage, no entry, nothing to settle
+        REQUESTS_TOTAL.labels(str(record.status)).inc()
+        admission = admit.result()
+        delta = record.prompt_tokens + record.completion_tokens - estimate
+        settlement = (
+            (record.tenant_id, admission.window, delta) if admission is not None and delta else None
+        )
+        self.writer.put(record.to_fields(), settlement)
 
     def _record(
         self,
@@ -590,9 +633,10 @@ class Gateway:
 
     async def _connect(
         self, outcome: Outcome, version: VersionRoute, path: str, raw: bytes, request_id: str
-    ) -> tuple[httpx.Response, str] | None:
+    ) -> tuple[UpstreamResponse, str] | None:
         """The first agent response, retrying once on another agent when one refuses."""
         tried: list[str] = []
+        headers = [("content-type", "application/json"), ("x-request-id", request_id)]
         while outcome.attempts < 2:
             endpoint = choose_endpoint(version, self.outstanding, tried)
             if endpoint is None:
@@ -601,29 +645,23 @@ class Gateway:
                 UPSTREAM_RETRIES.inc()
             tried.append(endpoint)
             outcome.attempts += 1
-            request = self.http.build_request(
-                "POST",
-                endpoint + path,
-                content=raw,
-                headers={"content-type": "application/json", "x-request-id": request_id},
-            )
             self.outstanding[endpoint] += 1
             try:
-                response = await self.http.send(request, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+                response = await self.upstream.post(endpoint, path, raw, headers)
+            except UpstreamConnectError as exc:
                 self.outstanding[endpoint] -= 1
                 logger.warning("agent refused", extra={"agent": endpoint, "error": str(exc)})
                 continue
             except BaseException:
                 self.outstanding[endpoint] -= 1
                 raise
-            is_refusal = response.status_code == 503
+            is_refusal = response.status == 503
             if (
                 is_refusal
                 and outcome.attempts < 2
                 and choose_endpoint(version, self.outstanding, tried) is not None
             ):
-                await response.aclose()
+                response.close()
                 self.outstanding[endpoint] -= 1
                 continue
             return response, endpoint
@@ -637,11 +675,32 @@ class Gateway:
         path: str,
         raw: bytes,
         request_id: str,
-        is_stream: bool,
+        admit: "asyncio.Future[Admission | None]",
     ) -> None:
-        connected = await self._connect(outcome, version, path, raw, request_id)
+        try:
+            connected = await self._connect(outcome, version, path, raw, request_id)
+        except UpstreamError as exc:
+            # Reached, but no answer (read timeout, malformed head): no retry, the
+            # agent may be working on it.
+            logger.warning("agent did not answer", extra={"error": str(exc)})
+            await asyncio.shield(admit)  # a refusal (429) comes first
+            await self._send_upstream_error(send, outcome, exc)
+            return
+        # Shielded: a client leaving now must not cancel an admission Redis may have
+        # counted; the request's entry and settlement wait for it (see _proxy).
+        if connected is None:
+            await asyncio.shield(admit)  # a refusal (429) comes first
+        else:
+            try:
+                await asyncio.shield(admit)  # a refusal (429) before any byte to the client
+            except BaseException:
+                # Refused (or the client left): the agent's request is cancelled.
+                self.outstanding[connected[1]] -= 1
+                connected[0].close()
+                raise
         if connected is None:
             outcome.status = 503
+            outcome.is_complete = True
             await _send_json(
                 send,
                 503,
@@ -649,35 +708,25 @@ class Gateway:
                     503, "no_ready_agent", "No agent answered; retry shortly.", "server_error"
                 ),
             )
-            outcome.is_complete = True
             return
         response, endpoint = connected
         outcome.agent = endpoint
         try:
-            outcome.status = response.status_code
+            outcome.status = response.status
             content_type = response.headers.get("content-type", "application/json")
             meter = outcome.meter
-            if meter is None or response.status_code != 200 or "event-stream" not in content_type:
+            if meter is None or response.status != 200 or "event-stream" not in content_type:
                 outcome.meter = None
                 try:
-                    body = await response.aread()
-                except httpx.HTTPError as exc:
-                    is_timeout = isinstance(exc, httpx.TimeoutException)
-                    outcome.status = 504 if is_timeout else 502
-                    body = _error_body(
-                        outcome.status,
-                        "upstream_timeout" if is_timeout else "upstream_error",
-                        "The agent did not answer in time." if is_timeout else "The agent failed.",
-                        "server_error",
-                    )
-                    await _send_json(send, outcome.status, body)
-                    outcome.is_complete = True
+                    body = await response.read()
+                except UpstreamError as exc:
+                    await self._send_upstream_error(send, outcome, exc)
                     return
                 outcome.response_body = body
-                await _send_json(
-                    send, response.status_code, body, [(b"x-request-id", request_id.encode())]
-                )
                 outcome.is_complete = True
+                await _send_json(
+                    send, response.status, body, [(b"x-request-id", request_id.encode())]
+                )
                 return
             await send(
                 {
@@ -692,23 +741,39 @@ class Gateway:
             )
             buffer = b""
             try:
-                async for chunk in response.aiter_raw():
-                    buffer += chunk
+                async for chunk in response.iter_bytes():
+                    buffer = buffer + chunk if buffer else chunk
                     events, buffer = split_events(buffer)
                     if not events:
                         continue
                     out = meter.feed(events, time.perf_counter())
+                    # A client may hang up once it has [DONE] (the OpenAI client does),
+                    # before the body's last empty chunk: that is not a client abort.
+                    outcome.is_complete = meter.is_done
                     if out:
                         await send({"type": "http.response.body", "body": out, "more_body": True})
-            except httpx.HTTPError as exc:
+            except UpstreamError as exc:
                 # After the first byte there is no retry: end the stream, count it failed.
                 logger.warning("agent stream broke", extra={"agent": endpoint, "error": str(exc)})
                 outcome.status = 502
-            await send({"type": "http.response.body", "body": buffer, "more_body": False})
             outcome.is_complete = True
+            await send({"type": "http.response.body", "body": buffer, "more_body": False})
         finally:
             self.outstanding[endpoint] -= 1
-            await response.aclose()
+            response.close()
+
+    @staticmethod
+    async def _send_upstream_error(send, outcome: Outcome, exc: UpstreamError) -> None:
+        is_timeout = isinstance(exc, UpstreamTimeout)
+        outcome.status = 504 if is_timeout else 502
+        outcome.is_complete = True
+        body = _error_body(
+            outcome.status,
+            "upstream_timeout" if is_timeout else "upstream_error",
+            "The agent did not answer in time." if is_timeout else "The agent failed.",
+            "server_error",
+        )
+        await _send_json(send, outcome.status, body)
 
 
 def gateway_mount(django_application, gateway: Gateway | None = None):

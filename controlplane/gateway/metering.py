@@ -8,10 +8,14 @@ chunk when the client did not ask for it (the gateway always asks the engine for
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 CHARS_PER_TOKEN = 4  # the fallback estimate when the engine reports no usage
+# `"usage": null` as a top-level member (a string inside the chunk would have its quotes
+# escaped): what every chunk carries once the gateway has asked for usage.
+_NULL_USAGE = re.compile(rb',\s*"usage"\s*:\s*null(?=\s*})|"usage"\s*:\s*null\s*,\s*')
 
 
 def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
@@ -77,6 +81,7 @@ class StreamMeter:
     token_events: int = 0
     usage: dict[str, Any] | None = None
     has_error: bool = False
+    is_done: bool = False  # `data: [DONE]` seen: the stream is complete for the client
     text: list[str] = field(default_factory=list)
 
     def feed(self, events: list[bytes], now: float) -> bytes:
@@ -90,7 +95,10 @@ class StreamMeter:
 
     def _feed_one(self, event: bytes, now: float) -> bytes | None:
         payload = _event_data(event)
-        if not payload or payload == b"[DONE]":
+        if not payload:
+            return event
+        if payload == b"[DONE]":
+            self.is_done = True
             return event
         try:
             chunk = json.loads(payload)
@@ -125,6 +133,11 @@ class StreamMeter:
         if "usage" in chunk and self.is_usage_stripped:
             if not choices:
                 return None
+            if chunk["usage"] is None:
+                # Cut the member out of the bytes rather than re-encoding every chunk.
+                stripped, count = _NULL_USAGE.subn(b"", event, count=1)
+                if count == 1:
+                    return stripped
             chunk.pop("usage")
             return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
         return event

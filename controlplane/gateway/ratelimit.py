@@ -3,11 +3,17 @@
 Fixed one-minute windows aligned to Redis's own clock (`TIME` inside the script), so
 every gateway process agrees on the window whatever its own clock says. One Lua script
 checks both counters and, only when both allow it, counts the request and reserves its
-estimated tokens: a refused request leaves no trace. After the response, `settle`
-replaces the estimate with the real token count in the same window.
+estimated tokens: a refused request leaves no trace. After the response, `settle_into`
+replaces the estimate with the real token count in the same window (queued with the
+request's stream entry, so it costs no round trip of its own).
 
 Keys: `ratelimit:{<tenant_id>}:r:<window_start>` and `...:t:<window_start>` (the hash
 tag keeps one tenant's keys on one cluster slot); they expire two minutes after use.
+
+`Headroom` remembers which tenants were far below both limits at their last admission
+in this process: for them the gateway sends the request on to the agent while the
+admission is still on its way (see app.py), so the Redis round trip adds nothing to the
+time to first token.
 """
 
 from dataclasses import dataclass
@@ -27,18 +33,18 @@ local tokens_limit = tonumber(ARGV[3])
 local estimate = tonumber(ARGV[4])
 local retry_after = window + 60 - now
 local requests_used = tonumber(redis.call('GET', requests_key) or '0')
-if requests_used + 1 > requests_limit then
-  return {0, retry_after, window, 'requests'}
-end
 local tokens_used = tonumber(redis.call('GET', tokens_key) or '0')
-if tokens_used + estimate > tokens_limit then
-  return {0, retry_after, window, 'tokens'}
+if requests_used + 1 > requests_limit then
+  return {0, retry_after, window, 'requests', requests_used, tokens_used}
 end
-redis.call('INCR', requests_key)
+if tokens_used + estimate > tokens_limit then
+  return {0, retry_after, window, 'tokens', requests_used, tokens_used}
+end
+requests_used = redis.call('INCR', requests_key)
 redis.call('EXPIRE', requests_key, 120)
-redis.call('INCRBY', tokens_key, estimate)
+tokens_used = redis.call('INCRBY', tokens_key, estimate)
 redis.call('EXPIRE', tokens_key, 120)
-return {1, 0, window, ''}
+return {1, 0, window, '', requests_used, tokens_used}
 """
 
 _SETTLE = """
@@ -56,23 +62,72 @@ class Admission:
     retry_after_s: int
     window: int  # start of the window the request was counted in (unix seconds)
     limit: str  # "requests" or "tokens" when refused
+    requests_used: int = 0  # the window's counts, this request's included when allowed
+    tokens_used: int = 0
 
 
 class RateLimiter:
     def __init__(self, client: aioredis.Redis) -> None:
         self._admit = client.register_script(_ADMIT)
-        self._settle = client.register_script(_SETTLE)
 
     async def admit(
         self, *, tenant_id: int, requests_per_minute: int, tokens_per_minute: int, estimate: int
     ) -> Admission:
-        allowed, retry_after, window, limit = await self._admit(
+        allowed, retry_after, window, limit, requests_used, tokens_used = await self._admit(
             args=[tenant_id, requests_per_minute, tokens_per_minute, max(0, estimate)]
         )
         limit_name = limit.decode() if isinstance(limit, bytes) else str(limit)
-        return Admission(bool(allowed), max(1, int(retry_after)), int(window), limit_name)
+        return Admission(
+            bool(allowed),
+            max(1, int(retry_after)),
+            int(window),
+            limit_name,
+            int(requests_used),
+            int(tokens_used),
+        )
 
-    async def settle(self, *, tenant_id: int, window: int, delta: int) -> None:
-        """Correct the window's token count by `delta` (actual minus estimate)."""
-        if delta:
-            await self._settle(args=[tenant_id, window, delta])
+
+class Headroom:
+    """Which tenants were far below both limits at their last admission, moments ago.
+
+    Only a hint: the Redis script still decides every request. A wrong hint costs the
+    agent a request that is cancelled before any byte of it reaches the client.
+    """
+
+    FRACTION = 0.5  # both counts at most half their limit...
+    FRESH_S = 5.0  # ...at an admission at most this long ago
+
+    def __init__(self) -> None:
+        self._plenty_until: dict[int, float] = {}  # tenant id -> monotonic deadline
+
+    def record(
+        self,
+        tenant_id: int,
+        admission: Admission,
+        *,
+        requests_per_minute: int,
+        tokens_per_minute: int,
+        now: float,
+    ) -> None:
+        if (
+            admission.is_allowed
+            and admission.requests_used <= requests_per_minute * self.FRACTION
+            and admission.tokens_used <= tokens_per_minute * self.FRACTION
+        ):
+            if len(self._plenty_until) > 100_000:
+                self._plenty_until.clear()
+            self._plenty_until[tenant_id] = now + self.FRESH_S
+        else:
+            self._plenty_until.pop(tenant_id, None)
+
+    def is_plenty(self, tenant_id: int, now: float) -> bool:
+        return self._plenty_until.get(tenant_id, 0.0) > now
+
+
+def settle_into(pipe: aioredis.client.Pipeline, tenant_id: int, window: int, delta: int) -> None:
+    """Queue the correction of a window's token count by `delta` (actual minus estimate).
+
+    EVAL rather than EVALSHA: a pipeline cannot fall back on NOSCRIPT, and Redis caches
+    the compiled script by its hash anyway.
+    """
+    pipe.eval(_SETTLE, 0, tenant_id, window, delta)

@@ -5,6 +5,7 @@ from typing import Any
 
 import redis
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from controlplane.accounts.tokens import secret_generate, secret_hash, secret_visible_prefix
@@ -195,6 +196,15 @@ def api_key_revoke(*, actor: Any, key: ApiKey, reason: str = "") -> ApiKey:
     return key
 
 
-def api_key_touch(*, key: ApiKey) -> None:
-    """Record use (the gateway calls this; at most once a minute per key is plenty)."""
-    ApiKey.objects.filter(pk=key.pk).update(last_used_at=timezone.now())
+def api_key_touch(*, key_id: int, used_at: datetime) -> bool:
+    """Record that the key was used at `used_at`; False when it already has a later use.
+
+    The gateway calls this off its request path, at most once a minute per key and
+    gateway process. The time only moves forward, so gateways may write in any order.
+    """
+    updated = (
+        ApiKey.objects.filter(pk=key_id)
+        .filter(Q(last_used_at__isnull=True) | Q(last_used_at__lt=used_at))
+        .update(last_used_at=used_at)
+    )
+    return updated == 1

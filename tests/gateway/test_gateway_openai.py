@@ -261,6 +261,46 @@ def test_tokens_per_minute_limit(stores, engines, gateways) -> None:
     assert used > 0
 
 
+def test_a_stream_refused_while_its_request_is_under_way_leaves_no_trace(
+    stores, engines, gateways
+) -> None:
+    # A tenant far below its limits has its streams sent to the agent while the admission
+    # is on its way; when Redis refuses after all (other gateways used the rest), the
+    # client gets the 429 and no byte of the stream, and nothing is counted.
+    setup = make_setup(requests_per_minute=10)
+    publish(setup, [100, 0], [[engines[0]], []])
+    gateway = gateways[0]
+    wait_for_model(gateway, setup.raw_key, "smollm2")
+    wait_for_fresh_window(stores, needed_s=20)
+    client = client_for(gateway, setup.raw_key)
+    list(
+        client.chat.completions.create(
+            model="smollm2", messages=MESSAGES, max_tokens=1, stream=True
+        )
+    )  # 1 of 10: the gateway now knows the tenant is far below its limits
+    seconds, _ = stores.time()
+    prefix = f"ratelimit:{{{setup.tenant.pk}}}:"
+    window = seconds - seconds % 60
+    stores.set(f"{prefix}r:{window}", 10)  # what other gateways used meanwhile
+    tokens_used = int(stores.get(f"{prefix}t:{window}"))
+
+    with pytest.raises(openai.RateLimitError) as limited:
+        list(
+            client.chat.completions.create(
+                model="smollm2", messages=MESSAGES, max_tokens=50, stream=True
+            )
+        )
+    assert limited.value.body["type"] == "requests"
+    assert (int(stores.get(f"{prefix}r:{window}")), int(stores.get(f"{prefix}t:{window}"))) == (
+        10,
+        tokens_used,
+    )
+    (record,) = wait_for_records(stores, 1)
+    assert record.status == 200  # the first request's entry only
+    ingest_all(stores)
+    assert usage_totals(setup.tenant)[0] == 1
+
+
 def test_weights_are_honoured(stores, engines, gateways) -> None:
     setup = make_setup()
     gateway = gateways[0]
