@@ -13,7 +13,7 @@ SMALL_BATCH_ROWS = 4
 
 
 def cpu_has_native_bf16() -> bool:
-    """avx512_bf16 or AMX: bf16 GEMMs run ~4x faster than fp32 ones (measured on Zen 4)."""
+    """avx512_bf16 or AMX: bf16 GEMMs run ~4x faster than fp32 (measured: AMD EPYC)."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 

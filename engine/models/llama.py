@@ -2,7 +2,8 @@
 
 All sequences of a step are flattened into one token axis so every matmul sees the
 whole batch. Only attention is per sequence: single-token rows (decodes) are
-batched against their gathered, padded KV; prefill chunks run one SDPA each.
+batched in groups of similar length against K gathered from the paged cache and V
+summed straight from it; prefill chunks run one SDPA each.
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ class AttentionMetadata:
 class KVCache:
     """K and V blocks of every layer in one tensor: [layers, 2 * kv_heads, blocks, block_size, dim].
 
-    K heads then V heads, outermost: one index_copy_ writes a step's K and V, and one
-    index_select on dim 1 gathers both as [2 * kv_heads, rows, keys, dim], contiguous,
-    which batched matmuls read as is. Each block copies block_size * dim values at once.
+    K heads then V heads, outermost: one index_copy_ writes a step's K and V, and a
+    gather of blocks (gather_blocks) yields [heads, rows, keys, dim], contiguous, which
+    batched matmuls read as is; each block copies block_size * dim values at once.
     """
 
     def __init__(
@@ -68,7 +69,8 @@ class KVCache:
             block_size,
             config.head_dim,
         )
-        # zeros, not empty: padded decode rows read unused slots under a mask, and 0 * NaN = NaN.
+        # zeros, not empty: padded decode rows read unused slots (scores masked to -inf,
+        # probabilities 0), and NaN - inf or 0 * NaN would still be NaN.
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
@@ -80,11 +82,11 @@ class KVCache:
 def gather_blocks(
     cache: torch.Tensor, gather_ids: torch.Tensor, rows: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """[2 * kv_heads, rows, keys, dim] from a layer's cache [2 * kv_heads, blocks, size, dim].
+    """[planes, rows, keys, dim] from (planes of) a layer's cache [planes, blocks, size, dim].
 
-    gather_ids holds plane * num_blocks + block for every plane (K and V heads) and every
-    block of every row. An embedding lookup on the flat [planes * blocks, size * dim] view
-    copies whole blocks and runs ~4x faster than index_select on dim 1.
+    gather_ids holds plane * num_blocks + block for every plane and every block of every
+    row. An embedding lookup on the flat [planes * blocks, size * dim] view copies whole
+    blocks and runs ~4x faster than index_select on dim 1.
     """
     planes, _, size, dim = cache.shape
     flat = cache.view(-1, size * dim)
