@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.stack import fresh_stores
+
 BUDGET_S = 100
 QUICK_BUDGET_S = 60
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -73,22 +75,6 @@ QUICK = Options(rates=(5000,), duration_s=6.0, backlog=10_000, profile_entries=5
 
 
 # -- stores and processes ---------------------------------------------------------------
-
-
-def fresh_stores(database_url: str, redis_url: str) -> None:
-    """Drop and create the PostgreSQL database named in the URL; empty the Redis db."""
-    import psycopg
-    import redis
-
-    base, name = database_url.rsplit("/", 1)
-    if not name or not name.replace("_", "").isalnum():
-        raise ValueError(f"database name {name!r}: letters, digits and '_' only")
-    with psycopg.connect(f"{base}/postgres", autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        conn.execute(f'CREATE DATABASE "{name}"')
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    client.close()
 
 
 def drop_database(database_url: str) -> None:
