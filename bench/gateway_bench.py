@@ -549,7 +549,7 @@ def run_bench(
             _reset_stores(database_url, redis_url, drop=True)
     figures = figures_from(samples)
     notes = [
-        f"engine: smollm2 float32, 1 torch thread, {engine_url}; gateway: {app} "
+        f"engine: smollm2 (its default dtype), 1 torch thread, {engine_url}; gateway: {app} "
         f"(uvicorn, its own process{'; the web app with /v1/ mounted' if mount else ''})",
         f"set-up {setup_s:.0f} s, measured {measure_s:.0f} s",
         *notes,

@@ -218,11 +218,10 @@ class Gateway:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        self._writer_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._writer_task
+        # The writer finishes what is queued (or spools it) before the spool's last replay.
+        self.writer.close()
         with contextlib.suppress(Exception):
-            await self.writer.drain()
+            await asyncio.wait_for(self._writer_task, timeout=15)
         with contextlib.suppress(Exception):
             await self._touch_keys()
         with contextlib.suppress(Exception):

@@ -35,6 +35,7 @@ class RecordWriter:
         self._spool = spool
         self._pending: list[tuple[dict[str, str] | None, Settlement]] = []
         self._wakeup = asyncio.Event()
+        self._is_closing = False
 
     def put(self, fields: dict[str, str] | None, settlement: Settlement = None) -> None:
         """Queue one stream entry and/or one settlement; returns at once."""
@@ -42,19 +43,27 @@ class RecordWriter:
         self._wakeup.set()
 
     async def run(self) -> None:
-        while True:
+        """Write what gathers until `close()`; then what is left, and return."""
+        while not self._is_closing:
             await self._wakeup.wait()
             self._wakeup.clear()
             await self._flush()
-
-    async def drain(self) -> None:
-        """Write everything queued so far (at shutdown)."""
         await self._flush()
+
+    def close(self) -> None:
+        self._is_closing = True
+        self._wakeup.set()
 
     async def _flush(self) -> None:
         while self._pending:
             batch, self._pending = self._pending, []
-            await self._write(batch)
+            try:
+                await self._write(batch)
+            except Exception as exc:  # never lose a batch to an unexpected error
+                logger.error("request entries not written; spooling", extra={"error": str(exc)})
+                await asyncio.to_thread(
+                    self._spool_all, [fields for fields, _ in batch if fields is not None]
+                )
 
     async def _write(self, batch: list[tuple[dict[str, str] | None, Settlement]]) -> None:
         pipe = self._client.pipeline(transaction=False)
