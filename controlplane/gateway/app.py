@@ -40,7 +40,6 @@ from controlplane.gateway.metering import (
     estimate_tokens,
     prompt_text,
     response_usage_and_text,
-    split_events,
 )
 from controlplane.gateway.ratelimit import Admission, Headroom, RateLimiter
 from controlplane.gateway.recorder import KeyUses, RecordWriter, keys_touch
@@ -740,18 +739,25 @@ class Gateway:
             )
             buffer = b""
             try:
-                async for chunk in response.iter_bytes():
-                    buffer = buffer + chunk if buffer else chunk
-                    events, buffer = split_events(buffer)
-                    if not events:
-                        continue
-                    out = meter.feed(events, time.perf_counter())
-                    # A client may hang up once it has [DONE] (the OpenAI client does),
-                    # before the body's last empty chunk: that is not a client abort.
-                    outcome.is_complete = meter.is_done
+                while piece := await response.read_some():
+                    out, buffer = meter.feed_bytes(
+                        buffer + piece if buffer else piece, time.perf_counter()
+                    )
+                    if meter.is_done:
+                        # `data: [DONE]` ends the stream for the client: the body ends with
+                        # it, in one write; what the agent still sends (the body's last
+                        # chunk) is read after, so that its connection can be reused.
+                        outcome.is_complete = True
+                        await send({"type": "http.response.body", "body": out + buffer})
+                        buffer = b""
+                        while await response.read_some():
+                            pass
+                        return
                     if out:
                         await send({"type": "http.response.body", "body": out, "more_body": True})
             except UpstreamError as exc:
+                if outcome.is_complete:
+                    return  # the client has its whole stream
                 # After the first byte there is no retry: end the stream, count it failed.
                 logger.warning("agent stream broke", extra={"agent": endpoint, "error": str(exc)})
                 outcome.status = 502

@@ -4,6 +4,13 @@ Server-sent events are forwarded whole (an event is never split across writes to
 client), so the gateway can look at each one: it timestamps content-bearing events
 (TTFT, inter-token gaps), keeps the engine's `usage`, and drops the usage-only final
 chunk when the client did not ask for it (the gateway always asks the engine for it).
+
+Most events are scanned, not decoded: an event that is one `data:` line holding a JSON
+object with no `error` member and no `usage` object (every token chunk) only needs "does
+it carry text" and "cut `"usage": null`", which a few byte searches answer exactly (inside
+a JSON string every `"` is escaped, so `"content": "x` can only be a member, never text).
+The others (the usage chunk, errors, anything unusual) and every event of a tenant whose
+completions are kept are decoded as JSON.
 """
 
 import json
@@ -16,6 +23,13 @@ CHARS_PER_TOKEN = 4  # the fallback estimate when the engine reports no usage
 # `"usage": null` as a top-level member (a string inside the chunk would have its quotes
 # escaped): what every chunk carries once the gateway has asked for usage.
 _NULL_USAGE = re.compile(rb',\s*"usage"\s*:\s*null(?=\s*})|"usage"\s*:\s*null\s*,\s*')
+# For the scan: a `content` (chat delta) or `text` (completion) member holding a non-empty
+# string; a `usage` member, and whether it is null; an empty `choices` list.
+_HAS_TEXT = re.compile(rb'"(?:content|text)"\s*:\s*"[^"]')
+_IS_NULL = re.compile(rb"\s*:\s*null")  # after a member's name
+_ENDS = re.compile(rb"\s*}\n\n")  # the `}` that closes the event's object
+_HAS_CHOICE = re.compile(rb'"choices"\s*:\s*\[\s*\{')
+_DECODE = object()  # the scan's answer for an event it leaves to the JSON decoder
 
 
 def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
@@ -93,7 +107,65 @@ class StreamMeter:
                 out.append(forwarded)
         return b"".join(out)
 
+    def feed_bytes(self, data: bytes, now: float) -> tuple[bytes, bytes]:
+        """The bytes to forward for the whole events in `data`, and the incomplete rest."""
+        end = data.find(b"\n\n")
+        if end >= 0 and end == len(data) - 2 and b"\r" not in data:
+            # One whole event, LF-terminated: what the engine writes per token.
+            return self._feed_one(data, now) or b"", b""
+        events, rest = split_events(data)
+        return self.feed(events, now), rest
+
     def _feed_one(self, event: bytes, now: float) -> bytes | None:
+        forwarded = self._scan(event, now)
+        if forwarded is _DECODE:
+            return self._feed_decoded(event, now)
+        return forwarded  # type: ignore[return-value]
+
+    def _scan(self, event: bytes, now: float) -> bytes | object | None:
+        """The bytes to forward for a plain token chunk, without decoding it; else _DECODE."""
+        if (
+            self.is_capturing
+            or not event.startswith(b"data: {")
+            or not event.endswith(b"}\n\n")
+            or event.find(b"\n") != len(event) - 2  # one line: a single `data:` field
+            or event.find(b'"error"') >= 0
+        ):
+            return _DECODE
+        forwarded = event
+        usage_at = event.find(b'"usage"')
+        if usage_at >= 0:
+            # Scanned only as the engine writes it: `"usage": null` as the last member of
+            # the event's object (the `}` after it ends the event, so it is not nested,
+            # and it is the only `"usage"`). Anything else, the usage object included
+            # (once per stream), is decoded.
+            null = _IS_NULL.match(event, usage_at + 7)
+            if null is None or _ENDS.fullmatch(event, null.end()) is None:
+                return _DECODE
+            if self.is_usage_stripped:
+                comma = event.rfind(b",", 0, usage_at)
+                if (
+                    comma < 0
+                    or event[comma + 1 : usage_at].strip()
+                    or _HAS_CHOICE.search(event) is None  # a usage-only chunk is dropped
+                ):
+                    return _DECODE
+                # Cut the member out of the bytes rather than re-encoding the chunk: the
+                # same bytes as _NULL_USAGE would cut.
+                forwarded = event[:comma] + event[null.end() :]
+        if _HAS_TEXT.search(event) is not None:
+            self._token(now)
+        return forwarded
+
+    def _token(self, now: float) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = now
+        else:
+            self.gaps.append(now - self.last_token_at)  # type: ignore[operator]
+        self.last_token_at = now
+        self.token_events += 1
+
+    def _feed_decoded(self, event: bytes, now: float) -> bytes | None:
         payload = _event_data(event)
         if not payload:
             return event
@@ -124,12 +196,7 @@ class StreamMeter:
                 if self.is_capturing:
                     self.text.append(text)
         if has_token:
-            if self.first_token_at is None:
-                self.first_token_at = now
-            else:
-                self.gaps.append(now - self.last_token_at)  # type: ignore[operator]
-            self.last_token_at = now
-            self.token_events += 1
+            self._token(now)
         if "usage" in chunk and self.is_usage_stripped:
             if not choices:
                 return None

@@ -50,6 +50,11 @@ class _Connection(asyncio.Protocol):
         self.is_paused = False
         self.idle_since = 0.0
         self.waiter: asyncio.Future[None] | None = None
+        # One timer per connection, moved lazily: a wait only sets `deadline`, and the timer
+        # (when it fires early) re-arms itself for it. A timer started and cancelled on
+        # every wait cost more than the rest of handing on a streamed token.
+        self.deadline = 0.0
+        self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.transport = transport
@@ -70,6 +75,7 @@ class _Connection(asyncio.Protocol):
         self.is_closed = True
         self.error = exc
         self._wake()
+        self.stop_timer()
 
     def _wake(self) -> None:
         waiter = self.waiter
@@ -81,24 +87,40 @@ class _Connection(asyncio.Protocol):
         if self.is_paused and self.transport is not None:
             self.is_paused = False
             self.transport.resume_reading()
-        waiter = self.loop.create_future()
+        loop = self.loop
+        waiter = loop.create_future()
         self.waiter = waiter
-        handle = self.loop.call_later(timeout_s, _expire, waiter)
+        self.deadline = deadline = loop.time() + timeout_s
+        timer = self.timer
+        if timer is None or timer.when() > deadline:
+            if timer is not None:
+                timer.cancel()
+            self.timer = loop.call_at(deadline, self._on_timer)
         try:
             await waiter
         finally:
-            handle.cancel()
             self.waiter = None
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            return  # not waiting now: the next wait arms a new timer
+        if self.loop.time() < self.deadline:
+            self.timer = self.loop.call_at(self.deadline, self._on_timer)
+            return
+        waiter.set_exception(UpstreamTimeout("the agent did not answer in time"))
+
+    def stop_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
     def close(self) -> None:
         self.is_closed = True
+        self.stop_timer()
         if self.transport is not None:
             self.transport.close()
-
-
-def _expire(waiter: "asyncio.Future[None]") -> None:
-    if not waiter.done():
-        waiter.set_exception(UpstreamTimeout("the agent did not answer in time"))
 
 
 class UpstreamResponse:
@@ -146,8 +168,8 @@ class UpstreamResponse:
             raise UpstreamError("the agent closed the connection mid-response")
         await connection.wait(self._read_timeout_s)
 
-    async def iter_bytes(self) -> AsyncIterator[bytes]:
-        """The body's bytes, de-chunked, as they arrive."""
+    async def read_some(self) -> bytes:
+        """The body's next bytes, de-chunked, as soon as there are any; b"" at its end."""
         connection = self._connection
         buffer = connection.buffer
         while not self._is_done:
@@ -157,13 +179,13 @@ class UpstreamResponse:
                     await self._more()
                     continue
                 if piece:
-                    yield piece
+                    return piece
             elif self._remaining < 0:
                 if buffer:
                     piece = bytes(buffer)
                     buffer.clear()
-                    yield piece
-                elif connection.is_closed:
+                    return piece
+                if connection.is_closed:
                     self._is_done = True
                 else:
                     await connection.wait(self._read_timeout_s)
@@ -175,11 +197,32 @@ class UpstreamResponse:
                 del buffer[: len(piece)]
                 self._remaining -= len(piece)
                 self._is_done = self._remaining == 0
-                yield piece
+                return piece
+        return b""
+
+    async def iter_bytes(self) -> AsyncIterator[bytes]:
+        """The body's bytes, de-chunked, as they arrive."""
+        while piece := await self.read_some():
+            yield piece
 
     def _take_chunked(self) -> bytes | None:
         """Whatever de-chunked bytes the buffer holds (b"" at the end); None: need more."""
         buffer = self._connection.buffer
+        if not buffer:
+            return None
+        if self._remaining == -1:
+            # The usual case first: the buffer holds exactly one whole chunk.
+            line_end = buffer.find(b"\r\n")
+            if line_end > 0:
+                try:
+                    size = int(buffer[:line_end], 16)
+                except ValueError:
+                    size = 0  # an extension or a malformed line: the full parser says which
+                start = line_end + 2
+                if size > 0 and len(buffer) == start + size + 2 and buffer.endswith(b"\r\n"):
+                    piece = bytes(buffer[start : start + size])
+                    buffer.clear()
+                    return piece
         out = bytearray()
         while True:
             if self._remaining > 0:  # inside a chunk's data
@@ -232,6 +275,7 @@ class UpstreamResponse:
     def close(self) -> None:
         """Done with the response: the connection goes back to the pool only if it is clean."""
         connection = self._connection
+        connection.stop_timer()
         if (
             self._is_done
             and self._is_reusable

@@ -278,6 +278,8 @@ def test_a_stream_refused_while_its_request_is_under_way_leaves_no_trace(
             model="smollm2", messages=MESSAGES, max_tokens=1, stream=True
         )
     )  # 1 of 10: the gateway now knows the tenant is far below its limits
+    # Its entry is written with its token settlement, in one batch, after the response.
+    wait_for_records(stores, 1)
     seconds, _ = stores.time()
     prefix = f"ratelimit:{{{setup.tenant.pk}}}:"
     window = seconds - seconds % 60
