@@ -10,6 +10,10 @@
    (bytes of weights / measured read bandwidth); llama.cpp too where installed.
 3. Time to first token at 1 and 32 concurrent requests, against the engine's own
    prefill time for the same prompts measured in-process in the same run.
+4. Kernel ceilings, so that 1 and 2 read against what this machine allows: the
+   engine's own matmul kernels timed alone, (a) at the step's token budget in rows,
+   turned into the useful tok/s of the whole workload if every FLOP ran at that rate
+   and attention cost nothing; (b) at one row, the floor of a decode step.
 
 Everything runs under one time budget: the serving run stops submitting requests at
 a deadline, and HF `generate` gets `max_time`, so the step ends within `BUDGET_S`.
@@ -279,6 +283,70 @@ class InProcessResult:
     decode_rate: float  # tokens/s, one sequence, after its prefill
     weight_bytes: int
     prefill_seconds: float  # one ttft_prompt-token prompt: prefill + first token, median
+    ceilings: KernelCeilings
+    config: Any  # the model's LlamaConfig
+
+
+@dataclass(slots=True)
+class KernelCeilings:
+    """What the engine's own matmul kernels allow on this machine, measured in this run.
+
+    A pass is one multiplication by every weight matrix of the model (the vocabulary
+    projection included), as one token's forward pass does; nothing else is timed.
+    """
+
+    layer_params: int  # weights of the decoder layers' matrices
+    head_params: int  # weights of the vocabulary projection
+    batched_flops: float  # FLOP/s of a pass at the step's token budget in rows
+    batched_rows: int
+    gemv_seconds: float  # one pass at a single row: a decode step's floor
+
+    def serving_seconds(self, workload: Workload, heads: int, head_dim: int, layers: int) -> float:
+        """Seconds to serve the workload if every token ran at the batched kernels' rate.
+
+        Every prompt token and every output token but the last goes through the layers
+        once; every output token through the vocabulary projection once; attention
+        scores and the weighted sum cost 4 * heads * head_dim FLOPs per key and layer.
+        Attention, sampling and everything but the matmuls are taken as free, and the
+        output lengths as their limits (a request ending at EOS does less of both).
+        """
+        flops = 0.0
+        for prompt, limit in zip(workload.prompts, workload.max_tokens, strict=True):
+            tokens = len(prompt) + limit - 1
+            keys = tokens * (tokens + 1) / 2  # token t attends to t + 1 keys
+            flops += 2 * tokens * self.layer_params + 2 * limit * self.head_params
+            flops += 4 * heads * head_dim * layers * keys
+        return flops / self.batched_flops
+
+
+def measure_ceilings(model: Any, rows: int) -> KernelCeilings:
+    from engine.models.layers import Linear
+
+    head = model.lm_head
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    layer_params = sum(m.weight.numel() for m in linears if m is not head)
+    head_params = head.weight.numel()
+
+    def best_pass(count: int, repeats: int) -> float:
+        inputs = {m.weight.shape[1]: torch.randn(count, m.weight.shape[1]) for m in linears}
+        inputs = {width: x.to(model.compute_dtype) for width, x in inputs.items()}
+        best = float("inf")
+        with torch.inference_mode():
+            for _ in range(repeats + 1):  # the first pass warms the kernels
+                started = time.perf_counter()
+                for module in linears:
+                    module(inputs[module.weight.shape[1]])
+                best = min(best, time.perf_counter() - started)
+        return best
+
+    batched = best_pass(rows, 3)
+    return KernelCeilings(
+        layer_params=layer_params,
+        head_params=head_params,
+        batched_flops=2 * rows * (layer_params + head_params) / batched,
+        batched_rows=rows,
+        gemv_seconds=best_pass(1, 10),
+    )
 
 
 def in_process(options: Options) -> InProcessResult:
@@ -313,7 +381,11 @@ def in_process(options: Options) -> InProcessResult:
         engine.tokenizer.encode(DECODE_PROMPT), options.decode_tokens
     )
     return InProcessResult(
-        decode_tokens / decode_seconds, engine.weight_bytes, statistics.median(prefill)
+        decode_tokens / decode_seconds,
+        engine.weight_bytes,
+        statistics.median(prefill),
+        measure_ceilings(engine.runner.model, options.max_num_batched_tokens),
+        engine.model_config,
     )
 
 
@@ -356,6 +428,20 @@ def measure(options: Options) -> dict[str, Any]:
           f"{roofline:.1f} tok/s", flush=True)  # fmt: skip
     print(f"RATIO single-stream decode / memory roofline = {local.decode_rate / roofline:.2f} "
           "(target >= 0.8)", flush=True)  # fmt: skip
+    ceilings = local.ceilings
+    gemv_rate = 1 / ceilings.gemv_seconds
+    print(f"kernel ceiling, decode: one single-row pass through every weight matrix takes "
+          f"{ceilings.gemv_seconds * 1000:.1f} ms = {gemv_rate:.1f} tok/s = "
+          f"{gemv_rate / roofline:.2f} of the roofline; the decode reaches "
+          f"{local.decode_rate / gemv_rate:.2f} of it", flush=True)  # fmt: skip
+    config = local.config
+    ceiling_seconds = ceilings.serving_seconds(
+        workload, config.num_heads, config.head_dim, config.num_layers
+    )
+    ceiling_rate = sum(workload.max_tokens) / ceiling_seconds
+    print(f"kernel ceiling, serving: the matmuls run {ceilings.batched_flops / 1e9:.0f} GFLOP/s "
+          f"at {ceilings.batched_rows} rows; the workload's FLOPs at that rate, all else free: "
+          f"{ceiling_seconds:.0f}s = {ceiling_rate:.0f} useful tok/s", flush=True)  # fmt: skip
     print(f"in-process prefill + first token, {options.ttft_prompt}-token prompt: "
           f"{local.prefill_seconds * 1000:.0f} ms", flush=True)  # fmt: skip
 
@@ -396,6 +482,9 @@ def measure(options: Options) -> dict[str, Any]:
               f"{reference.seconds:.1f}s = {ref_rate:.1f} tok/s", flush=True)  # fmt: skip
         print(f"RATIO serving throughput engine/HF = {engine_rate / ref_rate:.2f}x "
               "(target >= 5x)", flush=True)  # fmt: skip
+        print(f"RATIO kernel ceiling/HF = {ceiling_rate / ref_rate:.2f}x: the most any "
+              "scheduler could reach with these matmul kernels on this machine; the engine "
+              f"reaches {engine_rate / ceiling_rate:.2f} of the ceiling", flush=True)  # fmt: skip
         notes.append(
             f"HF reference rate measured on its first {reference.requests} requests "
             f"(static batches of {options.batch_size}) to fit the time budget; the engine "
@@ -436,6 +525,24 @@ def measure(options: Options) -> dict[str, Any]:
             f"{bandwidth:.1f} GB/s measured read bandwidth",
             "reference_value": roofline,
             "target": "ratio >= 0.8",
+        },
+        {
+            "name": "serving throughput vs the kernel ceiling",
+            "value": engine_rate,
+            "unit": "useful tok/s",
+            "reference": f"the workload's FLOPs at the matmuls' measured "
+            f"{ceilings.batched_flops / 1e9:.0f} GFLOP/s ({ceilings.batched_rows} rows), "
+            "attention and all else free",
+            "reference_value": ceiling_rate,
+            "target": "reported",
+        },
+        {
+            "name": f"single-stream decode vs the kernel ceiling ({options.dtype})",
+            "value": local.decode_rate,
+            "unit": "tok/s",
+            "reference": "one single-row pass through every weight matrix, nothing else",
+            "reference_value": gemv_rate,
+            "target": "reported",
         },
         {
             "name": "single-stream decode vs llama.cpp (same GGUF)",

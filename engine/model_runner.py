@@ -8,6 +8,7 @@ from engine.config import LlamaConfig
 from engine.models.llama import (
     AttentionMetadata,
     DecodeGroup,
+    DecodeTable,
     KVCache,
     LlamaModel,
     PrefillChunk,
@@ -82,17 +83,32 @@ class ModelRunner:
                     mask = key_positions[None, :] <= query_positions[:, None]
                 prefills.append(PrefillChunk(start, count, done, gather_ids, mask))
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, device=self.device),
-            num_decode=num_decode,
-            decode_groups=self._decode_groups(decode_seqs),
-            prefills=prefills,
+            slot_mapping=torch.tensor(slot_mapping, device=self.device), prefills=prefills
         )
+        meta.num_decode = num_decode
+        if decode_seqs and self.uses_decode_kernel:
+            meta.decode_table = self._decode_table(decode_seqs)
+        elif decode_seqs:
+            meta.decode_groups = self._decode_groups(decode_seqs)
         return (
             torch.tensor(input_ids, device=self.device),
             torch.tensor(positions, device=self.device),
             meta,
             torch.tensor(logits_indices, device=self.device, dtype=torch.long),
             sampling,
+        )
+
+    @property
+    def uses_decode_kernel(self) -> bool:
+        return self.model.decode_kernel is not None and self.cache.kv.dtype == torch.bfloat16
+
+    def _decode_table(self, seqs: list[Sequence]) -> DecodeTable:
+        """Each row's blocks (longest first: the kernel hands out rows in order) and length."""
+        width = -(-len(seqs[0]) // self.block_size)
+        table = [seq.block_table[:width] + [0] * (width - len(seq.block_table)) for seq in seqs]
+        return DecodeTable(
+            torch.tensor(table, dtype=torch.int32, device=self.device),
+            torch.tensor([len(seq) for seq in seqs], dtype=torch.int32, device=self.device),
         )
 
     def _decode_groups(self, seqs: list[Sequence]) -> list[DecodeGroup]:

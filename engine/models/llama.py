@@ -1,9 +1,10 @@
 """Llama-family decoder over a paged KV cache: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
 All sequences of a step are flattened into one token axis so every matmul sees the
-whole batch. Only attention is per sequence: single-token rows (decodes) are
-batched in groups of similar length against K gathered from the paged cache and V
-summed straight from it; prefill chunks run one SDPA each.
+whole batch. Only attention is per sequence: single-token rows (decodes) run in one
+call of the fused bf16 kernel (decode_attention.c) where it is available, else in
+groups of similar length against K gathered from the paged cache and V summed
+straight from it; prefill chunks run one SDPA each.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import LlamaConfig
+from engine.models import decode_attention
 from engine.models.layers import Embedding, Linear, RMSNorm, apply_rotary, rotary_tables
 
 
@@ -39,9 +41,19 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class DecodeTable:
+    """Single-token rows for the fused kernel: each row's own blocks, no padding read."""
+
+    block_table: torch.Tensor  # [rows, widest row's blocks] int32, short rows padded with 0
+    lengths: torch.Tensor  # [rows] int32: keys per row, the token computed now included
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens] cache slot written by each token
     num_decode: int = 0  # the first num_decode tokens are single-token rows
+    # the decode rows: a DecodeTable for the fused kernel, or else decode groups
+    decode_table: DecodeTable | None = None
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
@@ -94,8 +106,15 @@ def gather_blocks(
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, qkv: Linear, output: Linear):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        qkv: Linear,
+        output: Linear,
+        decode_kernel: decode_attention.DecodeAttentionKernel | None,
+    ):
         super().__init__()
+        self.decode_kernel = decode_kernel
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -124,8 +143,14 @@ class LlamaAttention(nn.Module):
             1, meta.slot_mapping, kv.transpose(0, 1).to(cache.dtype)
         )
 
-        # Attention outputs in token order: decode groups, then prefill chunks.
-        parts = [self._decode(q[g.start : g.end], cache, g) for g in meta.decode_groups]
+        # Attention outputs in token order: decode rows, then prefill chunks.
+        table = meta.decode_table
+        if table is not None:
+            assert self.decode_kernel is not None
+            rows = q[: meta.num_decode]
+            parts = [self.decode_kernel(rows, cache, table.block_table, table.lengths, self.scale)]
+        else:
+            parts = [self._decode(q[g.start : g.end], cache, g) for g in meta.decode_groups]
         for chunk in meta.prefills:
             end = chunk.start + chunk.length
             # 4-D inputs: the CPU flash kernel takes them (3-D falls back to the math path)
@@ -217,6 +242,15 @@ class LlamaModel(nn.Module):
         def linear(*names: str) -> Linear:
             return Linear(torch.cat([take(n) for n in names]), storage, compute_dtype)
 
+        # The fused decode kernel: bf16 on a CPU that can build it (else decode groups).
+        kernel_fits = decode_attention.supports(
+            config.num_heads, config.num_kv_heads, config.head_dim
+        )
+        self.decode_kernel = (
+            decode_attention.load()
+            if device.type == "cpu" and compute_dtype == torch.bfloat16 and kernel_fits
+            else None
+        )
         eps = config.rms_norm_eps
         self.embed = Embedding(take("model.embed_tokens.weight"), storage, compute_dtype)
         layers = []
@@ -226,6 +260,7 @@ class LlamaModel(nn.Module):
                 config,
                 linear(*(f"{prefix}self_attn.{p}_proj.weight" for p in "qkv")),
                 linear(f"{prefix}self_attn.o_proj.weight"),
+                self.decode_kernel,
             )
             mlp = LlamaMLP(
                 linear(f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"),
@@ -247,11 +282,11 @@ class LlamaModel(nn.Module):
             self.lm_head = linear("lm_head.weight")
         else:
             self.lm_head = self.embed.as_linear
-        cos, sin = rotary_tables(
+        cos, signed_sin = rotary_tables(
             config.head_dim, config.max_position_embeddings, config.rope_theta, device
         )
         self.cos = cos.to(compute_dtype)
-        self.sin = sin.to(compute_dtype)
+        self.signed_sin = signed_sin.to(compute_dtype)
 
     def forward(
         self,
@@ -264,7 +299,7 @@ class LlamaModel(nn.Module):
         # input_ids, positions: [tokens]; returns logits [len(logits_indices), vocab] fp32
         hidden = self.embed(input_ids)  # [tokens, hidden]
         cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
+        sin = self.signed_sin[positions].unsqueeze(1)
         for index, layer in enumerate(self.layer_list):
             residual = hidden
             hidden = layer.attention(layer.input_norm(hidden), cos, sin, cache.kv[index], meta)
