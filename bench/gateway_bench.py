@@ -163,7 +163,7 @@ class Client:
         return Result(started, ttft, _token_times(meter), "" if ttft is not None else "no content")
 
 
-def _token_times(meter) -> list[float]:
+def _token_times(meter: Any) -> list[float]:
     """The content events' arrival times, from the meter's first time and gaps."""
     if meter.first_token_at is None:
         return []
