@@ -52,6 +52,7 @@ from contracts.streams import (
     command_record_key,
     commands_stream,
     parse_command,
+    parse_drain_payload,
     parse_faults_payload,
     parse_load_payload,
 )
@@ -418,7 +419,7 @@ class Agent:
         if command.kind is CommandKind.LOAD:
             return self.load(parse_load_payload(command.payload))
         if command.kind is CommandKind.DRAIN:
-            return self.drain()
+            return self.drain(parse_drain_payload(command.payload).version_id)
         if command.kind is CommandKind.UNLOAD:
             return self.unload()
         return self.set_faults(parse_faults_payload(command.payload))
@@ -514,11 +515,15 @@ class Agent:
             raise CommandFailed(str(exc)) from exc
         return engine
 
-    def drain(self) -> str:
+    def drain(self, version_id: int | None = None) -> str:
+        """Drain the engine; with `version_id`, only if that is the version it serves."""
         with self._lock:
             engine = self.current
             if engine is None:
                 return "nothing to drain"
+            serving = self.current_load.version_id if self.current_load else None
+            if version_id is not None and serving != version_id:
+                return f"not drained: serving version {serving}, the drain named {version_id}"
             self.state, self.detail = AgentState.DRAINING, ""
         has_exited = engine.drain(self.config.drain_timeout_s)
         with self._lock:

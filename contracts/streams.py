@@ -511,6 +511,13 @@ class FaultsPayload:
 
 
 @dataclass(slots=True, frozen=True)
+class DrainPayload:
+    # The version the sender believes is loaded; None drains whatever is. An agent serving
+    # another version leaves it alone: the sender's view was stale (a load just finished).
+    version_id: int | None = None
+
+
+@dataclass(slots=True, frozen=True)
 class Command:
     command_id: str
     kind: CommandKind
@@ -569,6 +576,8 @@ def parse_command(data: Mapping[str, str]) -> Command:
         parse_load_payload(command.payload)
     elif command.kind is CommandKind.FAULTS:
         parse_faults_payload(command.payload)
+    elif command.kind is CommandKind.DRAIN:
+        parse_drain_payload(command.payload)
     return command
 
 
@@ -604,6 +613,15 @@ def parse_load_payload(payload: Mapping[str, Any]) -> LoadPayload:
         public_key=_payload_value(payload, "public_key", str),
         served_model_name=_payload_value(payload, "served_model_name", str),
     )
+
+
+def parse_drain_payload(payload: Mapping[str, Any]) -> DrainPayload:
+    if "version_id" not in payload or payload["version_id"] is None:
+        return DrainPayload()
+    version_id = _payload_value(payload, "version_id", int)
+    if version_id < 1:
+        raise ContractError("payload.version_id: must be >= 1")
+    return DrainPayload(version_id=version_id)
 
 
 def parse_faults_payload(payload: Mapping[str, Any]) -> FaultsPayload:

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -63,13 +63,18 @@ def stop_process(process: subprocess.Popen[bytes], timeout: float = 15) -> int:
     return process.returncode
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.05, message: str = "") -> None:
+def wait_until(
+    predicate, timeout: float, interval: float = 0.05, message: str | Callable[[], str] = ""
+) -> None:
+    """Poll `predicate` until it holds; `message` may be a callable, read only on failure
+    (so that log tails show the processes' state at the deadline, not at the call)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(interval)
-    raise AssertionError(message or f"condition not met within {timeout}s")
+    text = message() if callable(message) else message
+    raise AssertionError(text or f"condition not met within {timeout}s")
 
 
 PYTHON = sys.executable

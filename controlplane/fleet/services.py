@@ -233,6 +233,13 @@ def agent_command_send(
         if version is None:
             raise NotFound("No such version.")
         payload = _load_payload(version, served_model_name=served_model_name)
+    elif kind == CommandKind.DRAIN and version_id is not None:
+        # Drain only if the agent still serves this version (it refuses otherwise): a
+        # sender working from a stale heartbeat cannot drain a version just loaded.
+        version = ModelVersion.objects.filter(pk=version_id).first()
+        if version is None:
+            raise NotFound("No such version.")
+        payload = {"version_id": version.pk}
     elif kind == CommandKind.FAULTS:
         latency = 0.0 if latency_ms_per_token is None else float(latency_ms_per_token)
         rate = 0.0 if error_rate is None else float(error_rate)
@@ -318,12 +325,26 @@ def _command_status_rank(value: str) -> int:
 def command_results_apply(*, results: Sequence[CommandResult]) -> list[dict[str, Any]]:
     """Apply results from `agent:results`; statuses only move forward. Returns the events."""
     by_id = {result.command_id: result for result in results}
+    # A command's sender holds its agent's row lock until it commits, and the stream entry
+    # is written just before: a quick agent's result can arrive first. Taking the same locks
+    # waits for that commit, so the command row is visible below instead of the result
+    # being dropped and the command looking in flight until it times out.
+    list(
+        Agent.objects.select_for_update()
+        .filter(name__in={result.agent for result in results})
+        .order_by("id")
+        .values_list("id", flat=True)
+    )
     commands = (
         AgentCommand.objects.select_for_update()
         .select_related("agent")
         .filter(command_id__in=by_id)
         .order_by("id")
     )
+    commands = list(commands)
+    unknown = set(by_id) - {command.command_id for command in commands}
+    if unknown:
+        logger.warning("results for unknown commands dropped: %s", ", ".join(sorted(unknown)))
     events = []
     for command in commands:
         # Several results for one command in a batch: apply them in order of rank.

@@ -253,6 +253,15 @@ def _converge_agents(
         ).values_list("version_id", flat=True)
     )
 
+    # An agent whose command finished within the freshness window may still be described
+    # by a heartbeat sent before it: no drain is decided from that row (and every drain
+    # names the version it means, which the agent checks).
+    settling = set(
+        AgentCommand.objects.filter(
+            finished_at__gte=timezone.now() - timedelta(seconds=settings.ROLLOUTS_AGENT_FRESH_S)
+        ).values_list("agent_id", flat=True)
+    )
+
     def busy(agent: Agent) -> bool:
         return agent.pk in in_flight or agent.state in {AgentState.LOADING, AgentState.WARMING}
 
@@ -290,7 +299,12 @@ def _converge_agents(
 
     grace = settings.ROLLOUTS_DRAIN_GRACE_S
     for agent in alive:
-        if agent.state != AgentState.READY or agent.loaded_version_id is None or busy(agent):
+        if (
+            agent.state != AgentState.READY
+            or agent.loaded_version_id is None
+            or busy(agent)
+            or agent.pk in settling
+        ):
             continue
         retire_key = f"rollouts:retire:{agent.name}:{agent.loaded_version_id}"
         if agent.loaded_version_id in needed:
@@ -306,6 +320,7 @@ def _converge_agents(
                 actor=None,
                 agent_name=agent.name,
                 kind=CommandKind.DRAIN,
+                version_id=agent.loaded_version_id,
                 reason=f"version {agent.loaded_version_id} is no longer routed",
             )
             report.drains.append(agent.name)

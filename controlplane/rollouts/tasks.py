@@ -31,7 +31,21 @@ EVALUATION_LOCK_S = 600
 @shared_task(name="rollouts.reconcile", **TASK_OPTIONS)
 def reconcile_deployment(deployment_id: int) -> None:
     report = reconciler.reconcile_deployment(deployment_id=deployment_id)
-    logger.info("reconciled", extra={"deployment": report.deployment, "revision": report.revision})
+    if report.loads or report.drains or report.rolled_back:
+        # In the message itself: worker logs are what a failed rollout is read from.
+        logger.info(
+            "reconciled %s revision %s: weights %s, loads %s, drains %s%s",
+            report.deployment,
+            report.revision,
+            report.weights,
+            report.loads,
+            report.drains,
+            ", rolled back" if report.rolled_back else "",
+        )
+    else:
+        logger.info(
+            "reconciled", extra={"deployment": report.deployment, "revision": report.revision}
+        )
 
 
 @shared_task(name="rollouts.reconcile_all", **TASK_OPTIONS)

@@ -281,6 +281,17 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
         assert (row.state, row.endpoint, row.loaded_version_id) == ("ready", endpoint, stable.pk)
         assert row.detail.startswith(f"load of version {candidate.pk} failed: artifact digest")
 
+        # A drain naming a version the agent does not serve (a stale view) changes nothing.
+        stale = fleet.command("agent-a", kind="drain", version_id=candidate.pk)
+        wait_until(lambda: is_final(stale["command_id"]), timeout=30, message=logs(agent_log))
+        stale_row = command_row(stale["command_id"])
+        assert (stale_row.status, stale_row.detail) == (
+            "succeeded",
+            f"not drained: serving version {stable.pk}, the drain named {candidate.pk}",
+        )
+        assert ask_paris(endpoint) == "The capital of France is Paris."
+        assert agent_row("agent-a").state == "ready"
+
         # Fault injection reaches the engine; a redelivered command is answered, not rerun.
         faults = fleet.command("agent-a", kind="faults", latency_ms_per_token=5, error_rate=0.0)
         wait_until(lambda: is_final(faults["command_id"]), timeout=30, message=logs(agent_log))

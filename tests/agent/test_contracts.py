@@ -13,6 +13,7 @@ from contracts.streams import (
     new_command,
     parse_command,
     parse_command_result,
+    parse_drain_payload,
     parse_heartbeat,
 )
 from tests.fleet.support import heartbeat
@@ -90,3 +91,16 @@ def test_a_load_without_a_signature_is_refused_before_anything_runs() -> None:
     faults = new_command(CommandKind.FAULTS, {"latency_ms_per_token": 1, "error_rate": 3})
     with pytest.raises(ContractError, match=r"^payload.error_rate: must be within 0..1"):
         parse_command(faults.to_fields())
+
+
+def test_a_drain_may_name_the_version_it_means() -> None:
+    assert parse_drain_payload({}).version_id is None
+    assert parse_drain_payload({"version_id": None}).version_id is None
+    assert parse_drain_payload({"version_id": 7}).version_id == 7
+    for payload, message in [
+        ({"version_id": "7"}, r"^payload.version_id: wrong type str"),
+        ({"version_id": True}, r"^payload.version_id: wrong type bool"),
+        ({"version_id": 0}, r"^payload.version_id: must be >= 1"),
+    ]:
+        with pytest.raises(ContractError, match=message):
+            parse_command(new_command(CommandKind.DRAIN, payload).to_fields())

@@ -118,6 +118,25 @@ def test_drain_and_unload_commands(client_for, agent, redis_client, kind) -> Non
     assert parse_command(fields).payload == {}
 
 
+def test_a_drain_may_name_the_version_it_means(
+    client_for, agent, make_version, redis_client
+) -> None:
+    url = "/api/v1/fleet/agents/agent-1/commands/"
+    version = make_version("v1")
+    response = client_for("on_call").post(
+        url, {"kind": "drain", "version_id": version.pk}, format="json"
+    )
+    assert response.status_code == 202
+    [fields] = stream_entries(redis_client)
+    assert parse_command(fields).payload == {"version_id": version.pk}
+    assert AgentCommand.objects.get().version_id == version.pk
+    missing = client_for("on_call").post(
+        url, {"kind": "drain", "version_id": 999999}, format="json"
+    )
+    assert_error(missing, 404, "not_found")
+    assert AgentCommand.objects.count() == 1
+
+
 def test_fault_command_carries_its_settings(client_for, agent, redis_client) -> None:
     response = client_for("on_call").post(
         "/api/v1/fleet/agents/agent-1/commands/",

@@ -1,11 +1,13 @@
 """Heartbeats and command results through the real stream consumer into PostgreSQL."""
 
 import json
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from django.conf import settings
+from django.db import connection, transaction
 from django.utils import timezone
 from prometheus_client import REGISTRY
 
@@ -259,6 +261,45 @@ def test_history_derives_sums_from_cumulative_totals(users) -> None:
     assert history[1]["joules_per_token"] == 2.0
     assert history[1]["tokens_per_second"] == 20.0
     assert history[1]["requests_ok"] == 20
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_result_that_overtakes_its_commands_commit_is_not_lost(redis_client, users) -> None:
+    """The sender writes the stream entry just before it commits; a quick agent can answer
+    first. Ingest waits for the commit (the agent row's lock) instead of dropping it."""
+    register(actor=users["agent"])
+    ingestor = make_ingestor(redis_client)
+    sent = threading.Event()
+    command_ids: list[str] = []
+
+    def send_and_commit_late() -> None:
+        try:
+            with transaction.atomic():
+                command = services.agent_command_send(
+                    actor=None, agent_name="agent-1", kind="drain", redis_client=redis_client
+                )
+                command_ids.append(command.command_id)
+                sent.set()
+                time.sleep(0.5)  # still uncommitted while the result arrives
+        finally:
+            connection.close()
+
+    sender = threading.Thread(target=send_and_commit_late)
+    sender.start()
+    assert sent.wait(10)
+    entry = CommandResult(
+        command_id=command_ids[0],
+        agent="agent-1",
+        kind="drain",
+        status=CommandStatus.SUCCEEDED,
+        detail="nothing to drain",
+        finished_at=time.time(),
+    )
+    redis_client.xadd(RESULTS_STREAM, entry.to_fields())
+    drain(ingestor)
+    sender.join(10)
+    command = AgentCommand.objects.get(command_id=command_ids[0])
+    assert (command.status, command.detail) == ("succeeded", "nothing to drain")
 
 
 def test_command_results_move_the_command_forward_only(redis_client, users) -> None:

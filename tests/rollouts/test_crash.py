@@ -73,7 +73,7 @@ def test_sigkill_mid_transition_then_the_next_pass_completes_it(
                 and redis_client.get(routing_key("smollm2")) is not None
             ),
             timeout=90,
-            message=(tmp_path / "worker-2.log").read_text(),
+            message=(tmp_path / "worker-2.log").read_text,
         )
         analyze_all.delay()  # another tick changes nothing
         wait_until(lambda: redis_client.llen(os.environ["CELERY_QUEUE"]) == 0, timeout=60)

@@ -43,7 +43,7 @@ from controlplane.gateway.models import RequestSample
 from controlplane.registry import services as registry_services
 from controlplane.registry.models import EvalKind, EvalSuite, Evaluation, Model, SigningKey
 from controlplane.rollouts import services
-from controlplane.rollouts.models import AnalysisRun, Deployment, Rollout
+from controlplane.rollouts.models import ACTIVE_STATES, AnalysisRun, Deployment, Rollout
 from controlplane.tenants.services import api_key_create, tenant_create
 from tests.agent.test_agent_processes import (
     MODEL_FILE,
@@ -299,14 +299,14 @@ def stack(committed_db, django_db_blocker, tmp_path_factory) -> Iterator[Stack]:
                 ),
                 timeout=READY_S,
                 interval=0.5,
-                message=stack.tail(),
+                message=stack.tail,
             )
             stops += [monitor.stop, traffic.stop]
             threads = [threading.Thread(target=monitor.run, daemon=True)]
             threads += [threading.Thread(target=traffic.run, daemon=True) for _ in range(2)]
             for thread in threads:
                 thread.start()
-            wait_until(lambda: traffic.mark() >= 4, timeout=60, message=stack.tail())
+            wait_until(lambda: traffic.mark() >= 4, timeout=60, message=stack.tail)
             yield stack
         finally:
             for stop in stops:
@@ -318,6 +318,15 @@ def stack(committed_db, django_db_blocker, tmp_path_factory) -> Iterator[Stack]:
             call_command("flush", interactive=False, verbosity=0)
             client.flushdb()
             client.close()
+
+
+@pytest.fixture(autouse=True)
+def no_rollout_left_active(stack, django_db_blocker) -> Iterator[None]:
+    """A test that fails midway aborts its rollout, so the next one can start its own."""
+    yield
+    with django_db_blocker.unblock():
+        for rollout in Rollout.objects.filter(deployment=stack.deployment, state__in=ACTIVE_STATES):
+            services.rollout_abort(actor=None, rollout_id=rollout.pk, reason="e2e: test ended")
 
 
 def audit_actions(rollout: Rollout) -> list[tuple[str, bool]]:
@@ -343,7 +352,7 @@ def wait_state(stack: Stack, rollout: Rollout, states: set[str], timeout: float)
         lambda: Rollout.objects.get(pk=rollout.pk).state in states,
         timeout=timeout,
         interval=0.2,
-        message=stack.tail(),
+        message=stack.tail,
     )
     return Rollout.objects.get(pk=rollout.pk)
 
@@ -351,7 +360,7 @@ def wait_state(stack: Stack, rollout: Rollout, states: set[str], timeout: float)
 def settle(stack: Stack, start: int) -> list[Outcome]:
     """The outcomes since `start`, once every request in flight at the call has finished."""
     target = stack.traffic.mark() + 4
-    wait_until(lambda: stack.traffic.mark() >= target, timeout=120, message=stack.tail())
+    wait_until(lambda: stack.traffic.mark() >= target, timeout=120, message=stack.tail)
     return stack.traffic.since(start)
 
 
@@ -431,12 +440,12 @@ def test_b_a_faulty_candidate_is_rolled_back_automatically(stack, django_db_bloc
             lambda: stack.routed() == {baseline_id: 50, candidate.pk: 50},
             timeout=READY_S,
             interval=0.2,
-            message=stack.tail(),
+            message=stack.tail,
         )
         wait_until(
             lambda: RequestSample.objects.filter(version=candidate, is_error=False).count() >= 2,
             timeout=60,
-            message=stack.tail(),
+            message=stack.tail,
         )
         agent = Agent.objects.get(loaded_version=candidate, state="ready")
         api = APIClient()
@@ -493,7 +502,6 @@ def test_c_a_candidate_failing_evaluation_never_receives_traffic(stack, django_d
         traffic_start, routing_start = stack.traffic.mark(), stack.monitor.mark()
         # Exact match of 1.01 cannot be reached: the suite fails whatever the answers.
         suite = quality_suite("quality-unreachable", perplexity_max=1000.0, exact_match_min=1.01)
-        started = time.time()
         rollout = services.rollout_create(
             actor=None,
             deployment=stack.deployment,
@@ -507,17 +515,25 @@ def test_c_a_candidate_failing_evaluation_never_receives_traffic(stack, django_d
             lambda: Evaluation.objects.filter(version=candidate, suite=suite).exists(),
             timeout=READY_S,
             interval=0.2,
-            message=stack.tail(),
+            message=stack.tail,
         )
         evaluation = Evaluation.objects.get(version=candidate, suite=suite)
         assert evaluation.passed is False
-        # A few more analysis ticks: the gate holds.
-        wait_until(lambda: time.time() > started + 3, timeout=10)
-        rollout = Rollout.objects.get(pk=rollout.pk)
-        assert rollout.state == "gating"
-        assert rollout.gate_reasons == [
+        reasons = [
             f"quality-unreachable: failed (evaluation {evaluation.pk}: {evaluation.metrics})"
         ]
+        # The next gate pass names the failure ...
+        wait_until(
+            lambda: Rollout.objects.get(pk=rollout.pk).gate_reasons == reasons,
+            timeout=60,
+            interval=0.2,
+            message=stack.tail,
+        )
+        # ... and a few more analysis ticks later the gate still holds.
+        time.sleep(3)
+        rollout = Rollout.objects.get(pk=rollout.pk)
+        assert rollout.state == "gating"
+        assert rollout.gate_reasons == reasons
         services.rollout_abort(actor=None, rollout_id=rollout.pk, reason="e2e: done")
         wait_until(lambda: stack.routed() == {stable_id: 100}, timeout=30)
 

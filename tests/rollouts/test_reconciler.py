@@ -3,11 +3,13 @@
 from datetime import timedelta
 
 import pytest
+from django.test import override_settings
 from django.utils import timezone
 
 from contracts.routing import parse_routing_table, routing_key
+from contracts.streams import CommandKind, commands_stream, parse_command
 from controlplane.core.errors import DomainError
-from controlplane.fleet.models import Agent
+from controlplane.fleet.models import Agent, AgentCommand
 from controlplane.rollouts import reconciler, services
 from controlplane.rollouts.models import Deployment, Rollout
 from tests.rollouts.conftest import running_rollout
@@ -135,3 +137,34 @@ def test_a_stage_naming_an_unknown_tenant_is_refused(deployment, versions, tenan
     assert refused.value.code == "invalid_stages"
     assert "nobody" in str(refused.value.message)
     assert not Rollout.objects.exists()
+
+
+@override_settings(ROLLOUTS_DRAIN_GRACE_S=0)
+def test_an_unneeded_version_is_drained_by_name_unless_its_row_may_be_stale(
+    deployment, versions, redis_client
+) -> None:
+    stable, old = versions
+    agent("gpu-0", stable)
+    spare = agent("gpu-1", old)
+    # A load on gpu-1 finished a moment ago: its heartbeat row may predate it. No drain.
+    AgentCommand.objects.create(
+        command_id="c" * 32,
+        agent=spare,
+        kind="load",
+        version=old,
+        status="succeeded",
+        finished_at=timezone.now() - timedelta(seconds=1),
+    )
+    report = reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
+    assert report.drains == []
+    assert list(redis_client.xrange(commands_stream("gpu-1"))) == []
+
+    AgentCommand.objects.filter(agent=spare).update(
+        finished_at=timezone.now() - timedelta(seconds=60)
+    )
+    report = reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
+    assert report.drains == ["gpu-1"]
+    [(_, fields)] = redis_client.xrange(commands_stream("gpu-1"))
+    command = parse_command(fields)
+    # The drain names the version it means; an agent serving another one keeps it.
+    assert (command.kind, command.payload) == (CommandKind.DRAIN, {"version_id": old.pk})
