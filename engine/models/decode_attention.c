@@ -1,4 +1,6 @@
-/* Decode attention over the paged KV cache, bf16, AVX-512: one query token per row.
+/* The engine's bf16 CPU kernels, AVX-512: decode attention over the paged KV cache (one
+   query token per row); then, at the end of the file, the rotary embedding fused with the
+   KV cache write, the residual add fused with RMSNorm, and SwiGLU's silu(gate) * up.
 
    Fuses what took three passes over memory in PyTorch ops (gather K, scores, probs @ V):
    each (row, kv head) walks its blocks once, computing the scores of the query heads
@@ -31,6 +33,20 @@ static inline uint16_t bf16_from_float(float f) {
     if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
     bits += 0x7fff + ((bits >> 16) & 1); /* round to nearest even, as torch does */
     return (uint16_t)(bits >> 16);
+}
+
+/* 16 fp32 -> 16 bf16, rounded to nearest even (NaN kept, quiet), as torch does. */
+static inline __m256i bf16x16_from(__m512 v) {
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+static inline __m512 widen_bf16x16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 static inline long chunk_offset(const int32_t *table, int position, int block_size, int dim) {
@@ -132,5 +148,96 @@ void decode_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *cac
             attend(query, keys, values, table, length, target, group, 8, block_size, scale);
         else
             attend(query, keys, values, table, length, target, group, dim / 16, block_size, scale);
+    }
+}
+
+/* The residual stream's add and RMSNorm in one pass, in HF's order of operations for bf16:
+   residual = bf16(residual + x) (skipped where x is NULL); out = bf16(bf16(residual *
+   rsqrt(mean(residual^2) + eps)) * weight), the mean in fp32. PyTorch's ops take eight
+   passes and three fp32 copies for this. Rows are [dim] with dim a multiple of 16. */
+static void add_rms_norm_row(const uint16_t *x, uint16_t *residual, const uint16_t *weight,
+                             uint16_t *out, int dim, float eps) {
+    __m512 squares = _mm512_setzero_ps();
+    for (int i = 0; i < dim; i += 16) {
+        __m512 v = load_bf16x16(residual + i);
+        if (x) {
+            __m256i sum = bf16x16_from(_mm512_add_ps(v, load_bf16x16(x + i)));
+            _mm256_storeu_si256((__m256i *)(residual + i), sum);
+            v = widen_bf16x16(sum);
+        }
+        squares = _mm512_fmadd_ps(v, v, squares);
+    }
+    const __m512 inverse = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / dim + eps));
+    for (int i = 0; i < dim; i += 16) {
+        __m512 normed = widen_bf16x16(bf16x16_from(_mm512_mul_ps(load_bf16x16(residual + i), inverse)));
+        __m256i y = bf16x16_from(_mm512_mul_ps(normed, load_bf16x16(weight + i)));
+        _mm256_storeu_si256((__m256i *)(out + i), y);
+    }
+}
+
+/* x (or NULL), residual, out: [rows, dim]; weight: [dim]. Threads only where rows are many
+   (a team's start costs more than a few rows' work). */
+void add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight,
+                       uint16_t *out, int rows, int dim, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows >= 64)
+    for (int row = 0; row < rows; row++)
+        add_rms_norm_row(x ? x + (long)row * dim : NULL, residual + (long)row * dim, weight,
+                         out + (long)row * dim, dim, eps);
+}
+
+static inline __m512 round_bf16x16(__m512 v) { return widen_bf16x16(bf16x16_from(v)); }
+
+/* Rotary embedding of q and k in place, in HF's bf16 order (each product and the sum
+   rounded to bf16, as torch's bf16 ops do): x = x * cos + roll(x, dim / 2) * signed_sin,
+   then k and v written to their slots of the cache. qkv: [tokens, qkv_stride] rows of
+   [heads + kv_heads heads to rotate, kv_heads of v] x dim; cos, signed_sin: [tokens, dim];
+   cache: one layer's [2 * kv_heads, slots, dim] (K planes, then V planes). dim is a
+   multiple of 32 and at most 256. */
+void rotary_cache_write_bf16(uint16_t *qkv, long qkv_stride, const uint16_t *cos,
+                             const uint16_t *signed_sin, const int64_t *slot_mapping,
+                             uint16_t *cache, long slots, int tokens, int heads, int kv_heads,
+                             int dim, int threads) {
+    const int chunks = dim / 16, half = chunks / 2;
+#pragma omp parallel for num_threads(threads) if (tokens >= 64)
+    for (int token = 0; token < tokens; token++) {
+        uint16_t *row = qkv + token * qkv_stride;
+        __m512 c[MAX_CHUNKS], s[MAX_CHUNKS];
+        for (int i = 0; i < chunks; i++) {
+            c[i] = load_bf16x16(cos + (long)token * dim + 16 * i);
+            s[i] = load_bf16x16(signed_sin + (long)token * dim + 16 * i);
+        }
+        for (int head = 0; head < heads + kv_heads; head++) {
+            uint16_t *x = row + (long)head * dim;
+            __m512 v[MAX_CHUNKS];
+            for (int i = 0; i < chunks; i++) v[i] = load_bf16x16(x + 16 * i);
+            for (int i = 0; i < chunks; i++) {
+                __m512 straight = round_bf16x16(_mm512_mul_ps(v[i], c[i]));
+                __m512 rolled = round_bf16x16(_mm512_mul_ps(v[(i + half) % chunks], s[i]));
+                _mm256_storeu_si256((__m256i *)(x + 16 * i),
+                                    bf16x16_from(_mm512_add_ps(straight, rolled)));
+            }
+        }
+        const long slot = slot_mapping[token];
+        for (int plane = 0; plane < 2 * kv_heads; plane++)
+            memcpy(cache + (plane * slots + slot) * dim, row + (long)(heads + plane) * dim,
+                   (size_t)dim * sizeof(uint16_t));
+    }
+}
+
+/* SwiGLU's activation: out = bf16(bf16(silu(gate)) * up), gate_up: [rows, 2 * width] rows
+   of [gate | up]; out: [rows, width]; width a multiple of 16. silu in fp32 with glibc's
+   vector expf, as torch's bf16 silu computes it. */
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int width, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows >= 16)
+    for (int row = 0; row < rows; row++) {
+        const uint16_t *gate = gate_up + (long)row * 2 * width, *up = gate + width;
+        uint16_t *target = out + (long)row * width;
+        for (int i = 0; i < width; i += 16) {
+            __m512 g = load_bf16x16(gate + i);
+            __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            __m512 silu = round_bf16x16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+            _mm256_storeu_si256((__m256i *)(target + i),
+                                bf16x16_from(_mm512_mul_ps(silu, load_bf16x16(up + i))));
+        }
     }
 }

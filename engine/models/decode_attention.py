@@ -1,4 +1,5 @@
-"""The fused bf16 decode attention kernel (decode_attention.c), built once per machine.
+"""The engine's bf16 CPU kernels (decode_attention.c), built once per machine: the fused
+decode attention and the residual add fused with RMSNorm.
 
 In PyTorch ops a decode step's K crosses memory three times (the gather reads it and
 writes a copy, the scores read the copy), V once more (embedding_bag), and rows are
@@ -6,6 +7,10 @@ padded to their group's longest; the kernel walks each row's own blocks once. It
 built with the system C compiler at first use (about a second) into a cache folder
 keyed by the source, the flags and the CPU, and is absent (None) where that fails:
 no compiler, no AVX-512, not Linux on x86. Callers then keep the PyTorch path.
+
+The add + RMSNorm follows HF's order of operations for bf16 (normalise in fp32, round,
+then scale by the weight), where PyTorch's `F.rms_norm` rounds once: it is closer to HF
+and, at 512 rows, about ten times faster than the eight ops it replaces.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ MAX_HEAD_DIM = 256
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
-_kernel: DecodeAttentionKernel | None = None
+_library: ctypes.CDLL | None = None
 _loaded = False
 
 
@@ -138,21 +143,163 @@ class DecodeAttentionKernel:
         return out
 
 
+class AddRMSNormKernel:
+    def __init__(self, library: ctypes.CDLL):
+        self.function = library.add_rms_norm_bf16
+        self.function.restype = None
+        pointer, c_int = ctypes.c_void_p, ctypes.c_int
+        self.function.argtypes = [
+            pointer,  # x, or None: normalise the residual as it is
+            pointer,  # residual, updated in place
+            pointer,  # weight
+            pointer,  # out
+            c_int,  # rows
+            c_int,  # dim
+            ctypes.c_float,  # eps
+            c_int,  # threads
+        ]
+
+    def __call__(
+        self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """residual += x (when given, in place, rounded to bf16); returns RMSNorm(residual).
+        All bf16 and contiguous: x and residual [rows, dim], weight [dim]."""
+        rows, dim = residual.shape
+        tensors = (residual, weight) if x is None else (x, residual, weight)
+        if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in tensors):
+            raise ValueError("add_rms_norm needs contiguous bf16 tensors")
+        if dim % 16 or weight.shape != (dim,) or (x is not None and x.shape != residual.shape):
+            raise ValueError("add_rms_norm needs [rows, dim] rows, dim a multiple of 16")
+        out = torch.empty_like(residual)
+        self.function(
+            None if x is None else x.data_ptr(),
+            residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            dim,
+            eps,
+            torch.get_num_threads(),
+        )
+        return out
+
+
+class RotaryCacheWriteKernel:
+    def __init__(self, library: ctypes.CDLL):
+        self.function = library.rotary_cache_write_bf16
+        self.function.restype = None
+        pointer, c_int, c_long = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+        self.function.argtypes = [
+            pointer,  # qkv, rotated in place
+            c_long,  # qkv row stride (elements)
+            pointer,  # cos rows
+            pointer,  # signed sin rows
+            pointer,  # slot mapping
+            pointer,  # layer cache
+            c_long,  # slots per plane
+            *(c_int,) * 5,  # tokens, heads, kv_heads, dim, threads
+        ]
+
+    def __call__(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        cache: torch.Tensor,
+        heads: int,
+    ) -> None:
+        """Rotate q and k in qkv ([tokens, (heads + 2 * kv_heads) * dim] bf16, rows
+        contiguous) in place and write k and v to their slots: cos, signed_sin [tokens, dim]
+        bf16; slot_mapping [tokens] int64; cache: one layer's [2 * kv_heads, blocks,
+        block_size, dim] bf16."""
+        tokens = qkv.shape[0]
+        planes, num_blocks, block_size, dim = cache.shape
+        kv_heads = planes // 2
+        if dim % 32 or dim > MAX_HEAD_DIM or qkv.shape[1] != (heads + planes) * dim:
+            raise ValueError("rotary_cache_write needs [tokens, (heads + 2 kv) * dim], dim % 32")
+        if qkv.stride(1) != 1 or not (cos.is_contiguous() and signed_sin.is_contiguous()):
+            raise ValueError("rotary_cache_write needs contiguous rows, cos and sin")
+        if cos.numel() != tokens * dim or signed_sin.numel() != tokens * dim:
+            raise ValueError("rotary_cache_write needs one cos and sin row per token")
+        tensors = (qkv, cos, signed_sin, cache)
+        if any(t.dtype != torch.bfloat16 for t in tensors) or not cache.is_contiguous():
+            raise ValueError("rotary_cache_write needs bf16 tensors and a dense cache")
+        if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (tokens,):
+            raise ValueError("rotary_cache_write needs one int64 slot per token")
+        self.function(
+            qkv.data_ptr(),
+            qkv.stride(0),
+            cos.data_ptr(),
+            signed_sin.data_ptr(),
+            slot_mapping.contiguous().data_ptr(),
+            cache.data_ptr(),
+            num_blocks * block_size,
+            tokens,
+            heads,
+            kv_heads,
+            dim,
+            torch.get_num_threads(),
+        )
+
+
+class SiluMulKernel:
+    def __init__(self, library: ctypes.CDLL):
+        self.function = library.silu_mul_bf16
+        self.function.restype = None
+        pointer, c_int = ctypes.c_void_p, ctypes.c_int
+        self.function.argtypes = [pointer, pointer, c_int, c_int, c_int]
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [rows, 2 * width] bf16 rows of [gate | up] -> silu(gate) * up."""
+        rows, double = gate_up.shape
+        width = double // 2
+        if gate_up.dtype != torch.bfloat16 or not gate_up.is_contiguous() or width % 16:
+            raise ValueError("silu_mul needs contiguous bf16 [rows, 2 * width], width % 16")
+        out = torch.empty((rows, width), dtype=torch.bfloat16)
+        self.function(gate_up.data_ptr(), out.data_ptr(), rows, width, torch.get_num_threads())
+        return out
+
+
 def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     group = num_heads // num_kv_heads
     return head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM and group <= MAX_GROUP
 
 
-def load() -> DecodeAttentionKernel | None:
-    """The kernel, built on first call (about a second), or None where it cannot run."""
-    global _kernel, _loaded
+def library() -> ctypes.CDLL | None:
+    """The kernels' library, built on first call (about a second), or None."""
+    global _library, _loaded
     with _lock:
         if not _loaded:
             _loaded = True
             path = build()
             if path is not None:
                 try:
-                    _kernel = DecodeAttentionKernel(ctypes.CDLL(str(path)))
+                    _library = ctypes.CDLL(str(path))
                 except OSError:
-                    _kernel = None
-        return _kernel
+                    _library = None
+        return _library
+
+
+def load() -> DecodeAttentionKernel | None:
+    """The decode attention kernel, or None where it cannot run."""
+    lib = library()
+    return None if lib is None else DecodeAttentionKernel(lib)
+
+
+def load_add_rms_norm() -> AddRMSNormKernel | None:
+    """The fused residual add + RMSNorm, or None where it cannot run."""
+    lib = library()
+    return None if lib is None else AddRMSNormKernel(lib)
+
+
+def load_rotary_cache_write() -> RotaryCacheWriteKernel | None:
+    """The rotary embedding fused with the KV cache write, or None where it cannot run."""
+    lib = library()
+    return None if lib is None else RotaryCacheWriteKernel(lib)
+
+
+def load_silu_mul() -> SiluMulKernel | None:
+    """SwiGLU's silu(gate) * up in one pass, or None where it cannot run."""
+    lib = library()
+    return None if lib is None else SiluMulKernel(lib)

@@ -111,10 +111,11 @@ class LlamaAttention(nn.Module):
         config: LlamaConfig,
         qkv: Linear,
         output: Linear,
-        decode_kernel: decode_attention.DecodeAttentionKernel | None,
     ):
         super().__init__()
-        self.decode_kernel = decode_kernel
+        # bf16 CPU kernels, set by LlamaModel.set_kernels (None: PyTorch ops)
+        self.decode_kernel: decode_attention.DecodeAttentionKernel | None = None
+        self.rotary_kernel: decode_attention.RotaryCacheWriteKernel | None = None
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -134,14 +135,20 @@ class LlamaAttention(nn.Module):
         tokens = hidden.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(hidden)
-        # q and k rotated together: [tokens, heads + kv_heads, dim]
-        qk = apply_rotary(qkv[:, : (heads + kv_heads) * dim].view(tokens, -1, dim), cos, sin)
-        q = qk[:, :heads]  # [tokens, heads, dim]
-        v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
-        kv = torch.cat((qk[:, heads:], v), dim=1)  # [tokens, 2 * kv_heads, dim]
-        cache.view(2 * kv_heads, -1, dim).index_copy_(
-            1, meta.slot_mapping, kv.transpose(0, 1).to(cache.dtype)
-        )
+        if self.rotary_kernel is not None:
+            # q and k rotated in place, k and v written to the cache: one pass
+            self.rotary_kernel(qkv, cos, sin, meta.slot_mapping, cache, heads)
+            q = qkv[:, : heads * dim].view(tokens, heads, dim)
+            kv = qkv[:, heads * dim :].view(tokens, 2 * kv_heads, dim)
+        else:
+            # q and k rotated together: [tokens, heads + kv_heads, dim]
+            qk = apply_rotary(qkv[:, : (heads + kv_heads) * dim].view(tokens, -1, dim), cos, sin)
+            q = qk[:, :heads]  # [tokens, heads, dim]
+            v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+            kv = torch.cat((qk[:, heads:], v), dim=1)  # [tokens, 2 * kv_heads, dim]
+            cache.view(2 * kv_heads, -1, dim).index_copy_(
+                1, meta.slot_mapping, kv.transpose(0, 1).to(cache.dtype)
+            )
 
         # Attention outputs in token order: decode rows, then prefill chunks.
         table = meta.decode_table
@@ -201,8 +208,11 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up = gate_up  # fused [gate; up] rows
         self.down = down
+        self.silu_mul_kernel: decode_attention.SiluMulKernel | None = None  # set_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.silu_mul_kernel is not None:
+            return self.down(self.silu_mul_kernel(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
@@ -242,15 +252,6 @@ class LlamaModel(nn.Module):
         def linear(*names: str) -> Linear:
             return Linear(torch.cat([take(n) for n in names]), storage, compute_dtype)
 
-        # The fused decode kernel: bf16 on a CPU that can build it (else decode groups).
-        kernel_fits = decode_attention.supports(
-            config.num_heads, config.num_kv_heads, config.head_dim
-        )
-        self.decode_kernel = (
-            decode_attention.load()
-            if device.type == "cpu" and compute_dtype == torch.bfloat16 and kernel_fits
-            else None
-        )
         eps = config.rms_norm_eps
         self.embed = Embedding(take("model.embed_tokens.weight"), storage, compute_dtype)
         layers = []
@@ -260,7 +261,6 @@ class LlamaModel(nn.Module):
                 config,
                 linear(*(f"{prefix}self_attn.{p}_proj.weight" for p in "qkv")),
                 linear(f"{prefix}self_attn.o_proj.weight"),
-                self.decode_kernel,
             )
             mlp = LlamaMLP(
                 linear(f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"),
@@ -287,6 +287,26 @@ class LlamaModel(nn.Module):
         )
         self.cos = cos.to(compute_dtype)
         self.signed_sin = signed_sin.to(compute_dtype)
+        self.device_type = device.type
+        self.set_kernels(True)
+
+    def set_kernels(self, enabled: bool) -> None:
+        """Use the bf16 CPU kernels (decode_attention.c) where they build and fit the model's
+        shapes, else PyTorch ops: bf16 compute on a CPU only (fp32 keeps HF's exact order)."""
+        config = self.config
+        usable = enabled and self.device_type == "cpu" and self.compute_dtype == torch.bfloat16
+        fits = decode_attention.supports(config.num_heads, config.num_kv_heads, config.head_dim)
+        self.decode_kernel = decode_attention.load() if usable and fits else None
+        fits = config.hidden_size % 16 == 0
+        self.norm_kernel = decode_attention.load_add_rms_norm() if usable and fits else None
+        fits = config.head_dim % 32 == 0 and config.head_dim <= decode_attention.MAX_HEAD_DIM
+        rotary = decode_attention.load_rotary_cache_write() if usable and fits else None
+        fits = config.intermediate_size % 16 == 0
+        silu_mul = decode_attention.load_silu_mul() if usable and fits else None
+        for layer in self.layer_list:
+            layer.attention.decode_kernel = self.decode_kernel
+            layer.attention.rotary_kernel = rotary
+            layer.mlp.silu_mul_kernel = silu_mul
 
     def forward(
         self,
@@ -300,6 +320,8 @@ class LlamaModel(nn.Module):
         hidden = self.embed(input_ids)  # [tokens, hidden]
         cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
         sin = self.signed_sin[positions].unsqueeze(1)
+        if self.norm_kernel is not None:
+            return self._forward_fused(hidden, cos, sin, meta, cache, logits_indices)
         for index, layer in enumerate(self.layer_list):
             residual = hidden
             hidden = layer.attention(layer.input_norm(hidden), cos, sin, cache.kv[index], meta)
@@ -307,4 +329,32 @@ class LlamaModel(nn.Module):
             hidden = hidden + layer.mlp(layer.post_attention_norm(hidden))
         # Only rows that sample need the (large) vocabulary projection.
         hidden = self.norm(hidden[logits_indices])
+        return self.lm_head(hidden).float()
+
+    def _forward_fused(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: KVCache,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """The same layers with the residual stream kept apart: each sub-layer's output is
+        added to it and normalised in one kernel call (vLLM's fused_add_rms_norm)."""
+        norm = self.norm_kernel
+        assert norm is not None
+        residual = hidden.contiguous()  # the embedding rows: a fresh tensor, updated in place
+        update: torch.Tensor | None = None  # the last sub-layer's output, not yet added
+        for index, layer in enumerate(self.layer_list):
+            normed = norm(update, residual, layer.input_norm.weight, layer.input_norm.eps)
+            update = layer.attention(normed, cos, sin, cache.kv[index], meta)
+            normed = norm(
+                update, residual, layer.post_attention_norm.weight, layer.post_attention_norm.eps
+            )
+            update = layer.mlp(normed)
+        # Only rows that sample need the final add, the norm and the vocabulary projection.
+        rows = residual[logits_indices]
+        assert update is not None
+        hidden = norm(update[logits_indices], rows, self.norm.weight, self.norm.eps)
         return self.lm_head(hidden).float()

@@ -1,4 +1,5 @@
-"""The fused bf16 decode attention kernel against a dense reference, alone and inside the model."""
+"""The bf16 CPU kernels against plain references, alone and inside the model: the fused
+decode attention and the residual add fused with RMSNorm."""
 
 from __future__ import annotations
 
@@ -76,6 +77,103 @@ def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, block_siz
     )
 
 
+def hf_add_rms_norm(x, residual, weight, eps):
+    """HF's bf16 order: the add rounded to bf16, normalised in fp32, rounded, then scaled."""
+    added = residual if x is None else residual + x
+    hidden = added.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return added, weight * hidden.to(torch.bfloat16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_add_rms_norm_matches_hf_order(rows: int):
+    norm = decode_attention.load_add_rms_norm()
+    assert norm is not None
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=generator).to(torch.bfloat16)
+    residual = (torch.randn(rows, 576, generator=generator) * 8).to(torch.bfloat16)
+    weight = (torch.rand(576, generator=generator) + 0.5).to(torch.bfloat16)
+    expected_residual, expected = hf_add_rms_norm(x, residual, weight, 1e-5)
+    updated = residual.clone()
+    out = norm(x, updated, weight, 1e-5)
+    assert torch.equal(updated, expected_residual)  # the add rounds exactly as torch's
+    # fp32 sums in another order: at most one bf16 rounding apart, and rarely that
+    torch.testing.assert_close(out, expected, atol=0, rtol=2**-7)
+    assert (out == expected).float().mean().item() > 0.999
+    # without x the residual is normalised as it is and left alone
+    before = residual.clone()
+    torch.testing.assert_close(
+        norm(None, residual, weight, 1e-5), hf_add_rms_norm(None, before, weight, 1e-5)[1],
+        atol=0, rtol=2**-7,
+    )  # fmt: skip
+    assert torch.equal(residual, before)
+
+
+@needs_kernel
+def test_add_rms_norm_refuses_what_it_cannot_read():
+    norm = decode_attention.load_add_rms_norm()
+    assert norm is not None
+    rows = torch.zeros(4, 64, dtype=torch.bfloat16)
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    for x, residual, w in [
+        (rows.float(), rows, weight),  # fp32
+        (rows, torch.zeros(4, 128, dtype=torch.bfloat16)[:, ::2], weight),  # strided
+        (rows, rows.clone(), torch.ones(32, dtype=torch.bfloat16)),  # weight of another width
+        (rows[:, :40].contiguous(), rows[:, :40].contiguous(), weight[:40]),  # 40 % 16 != 0
+    ]:
+        with pytest.raises(ValueError):
+            norm(x, residual, w, 1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens", [1, 7, 80])
+def test_rotary_cache_write_matches_the_torch_ops(tokens: int):
+    """Rotated q and k bit for bit as apply_rotary's bf16 ops; k and v in their slots."""
+    from engine.models.layers import apply_rotary, rotary_tables
+
+    rotary = decode_attention.load_rotary_cache_write()
+    assert rotary is not None
+    heads, kv_heads, dim, blocks, block_size = 9, 3, 64, 12, 16
+    generator = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator)
+    qkv = (qkv * 3).to(torch.bfloat16)
+    cos_table, sin_table = rotary_tables(dim, 512, 100000.0, torch.device("cpu"))
+    positions = torch.randint(0, 512, (tokens,), generator=generator)
+    cos = cos_table.to(torch.bfloat16)[positions].unsqueeze(1)
+    sin = sin_table.to(torch.bfloat16)[positions].unsqueeze(1)
+    slots = torch.randperm(blocks * block_size, generator=generator)[:tokens]
+    cache = torch.zeros(2 * kv_heads, blocks, block_size, dim, dtype=torch.bfloat16)
+
+    rotated = apply_rotary(qkv[:, : (heads + kv_heads) * dim].view(tokens, -1, dim), cos, sin)
+    values = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim).clone()
+    rotary(qkv, cos, sin, slots, cache, heads)
+    assert torch.equal(qkv[:, : (heads + kv_heads) * dim].view(tokens, -1, dim), rotated)
+    flat = cache.view(2 * kv_heads, -1, dim)
+    assert torch.equal(flat[:kv_heads, slots].transpose(0, 1), rotated[:, heads:])
+    assert torch.equal(flat[kv_heads:, slots].transpose(0, 1), values)
+    untouched = torch.ones(blocks * block_size, dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat[:, untouched].any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 40])
+def test_silu_mul_matches_the_torch_ops(rows: int):
+    silu_mul = decode_attention.load_silu_mul()
+    assert silu_mul is not None
+    generator = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 1536, generator=generator) * 4).to(torch.bfloat16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    out = silu_mul(gate_up)
+    # expf from glibc, not torch's: at most one bf16 rounding apart, and rarely that
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=2**-7)
+    assert (out == expected).float().mean().item() > 0.99
+    with pytest.raises(ValueError):
+        silu_mul(gate_up.float())
+
+
 def engine_for(tiny_llama: Path, use_kernel: bool) -> LLMEngine:
     config = EngineConfig(
         model=str(tiny_llama), dtype="bfloat16", num_blocks=128, block_size=16, max_model_len=512
@@ -83,7 +181,7 @@ def engine_for(tiny_llama: Path, use_kernel: bool) -> LLMEngine:
     engine = LLMEngine(config)
     engine.load()
     if not use_kernel:
-        engine.runner.model.decode_kernel = None  # decode groups over gathered blocks
+        engine.runner.model.set_kernels(False)  # PyTorch ops: decode groups, F.rms_norm, ...
     return engine
 
 
@@ -95,6 +193,7 @@ def test_model_with_kernel_matches_decode_groups(tiny_llama: Path):
         pytest.skip("bfloat16 computes in fp32 on this CPU: the kernel is not used")
     engines = [engine_for(tiny_llama, use_kernel=True), engine_for(tiny_llama, use_kernel=False)]
     assert engines[0].runner.uses_decode_kernel and not engines[1].runner.uses_decode_kernel
+    assert engines[0].runner.model.norm_kernel is not None
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in (3, 16, 17, 45, 90, 150, 200)]
     params = SamplingParams(max_tokens=64, temperature=0.0)
