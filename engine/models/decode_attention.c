@@ -53,6 +53,27 @@ static inline long chunk_offset(const int32_t *table, int position, int block_si
     return ((long)table[position / block_size] * block_size + position % block_size) * dim;
 }
 
+/* The 16 horizontal sums of d[0..15] as one vector (lane t: the sum of d[t]'s lanes), by a
+   tree of interleaving adds: 45 instructions where 16 separate reductions take ~130. */
+static inline __m512 sum16(const __m512 *d) {
+    __m512 pairs[8], quads[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]),
+                                 _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: that lane's sums of 4 keys, in order */
+        const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* then across the four 128-bit lanes */
+    const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                     _mm512_shuffle_f32x4(quads[0], quads[1], 0xdd));
+    const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                      _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88),
+                         _mm512_shuffle_f32x4(low, high, 0xdd));
+}
+
 /* One (row, kv head): chunks = dim / 16, a constant where the caller inlines it. */
 static inline __attribute__((always_inline)) void attend(
     const uint16_t *q, const uint16_t *keys, const uint16_t *values, const int32_t *table,
@@ -85,19 +106,25 @@ static inline __attribute__((always_inline)) void attend(
                 _mm_prefetch(next_values + byte, _MM_HINT_T0);
             }
         }
-        float scores[MAX_GROUP][16];
+        /* Each key's 16-lane partial dot products, summed 16 keys at a time by sum16: with
+           the cache in L1 the kernel runs 10 % faster than with a horizontal sum per key;
+           from DRAM, the scattered blocks' reads bound it either way (about 18 GB/s). */
+        __m512 dots[MAX_GROUP][16];
         for (int t = 0; t < count; t++) {
             __m512 key[MAX_CHUNKS];
             for (int c = 0; c < chunks; c++) key[c] = load_bf16x16(keys + offset + t * dim + 16 * c);
             for (int g = 0; g < group; g++) {
                 __m512 dot = _mm512_mul_ps(query[g][0], key[0]);
                 for (int c = 1; c < chunks; c++) dot = _mm512_fmadd_ps(query[g][c], key[c], dot);
-                scores[g][t] = _mm512_reduce_add_ps(dot);
+                dots[g][t] = dot;
             }
         }
+        for (int t = count; t < 16; t++)
+            for (int g = 0; g < group; g++) dots[g][t] = _mm512_setzero_ps();
+        float scores[MAX_GROUP][16];
         const __mmask16 valid = (__mmask16)((1u << count) - 1);
         for (int g = 0; g < group; g++) {
-            const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, scores[g]);
+            const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sum16(dots[g]));
             const float new_max = fmaxf(running_max[g], _mm512_reduce_max_ps(s));
             const float correction = expf(running_max[g] - new_max); /* 0 on the first chunk */
             running_max[g] = new_max;
