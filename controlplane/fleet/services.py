@@ -335,13 +335,12 @@ def command_results_apply(*, results: Sequence[CommandResult]) -> list[dict[str,
         .order_by("id")
         .values_list("id", flat=True)
     )
-    commands = (
+    commands = list(
         AgentCommand.objects.select_for_update()
         .select_related("agent")
         .filter(command_id__in=by_id)
         .order_by("id")
     )
-    commands = list(commands)
     unknown = set(by_id) - {command.command_id for command in commands}
     if unknown:
         logger.warning("results for unknown commands dropped: %s", ", ".join(sorted(unknown)))
