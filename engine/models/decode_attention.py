@@ -25,6 +25,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -85,23 +86,36 @@ def build() -> Path | None:
     return target
 
 
+# C argument types of the kernels' signatures
+POINTER, C_INT, C_LONG, C_FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+
+
+def bind(library: ctypes.CDLL, name: str, argtypes: list[Any]) -> Any:
+    """One of the library's void functions, with its argument types declared."""
+    function = getattr(library, name)
+    function.restype = None
+    function.argtypes = argtypes
+    return function
+
+
 class DecodeAttentionKernel:
     def __init__(self, library: ctypes.CDLL):
-        self.function = library.decode_attention_bf16
-        self.function.restype = None
-        c_int, c_long, pointer = ctypes.c_int, ctypes.c_long, ctypes.c_void_p
-        self.function.argtypes = [
-            pointer,  # q
-            c_long,  # q row stride (elements)
-            pointer,  # layer cache
-            pointer,  # block table
-            c_int,  # block table width
-            pointer,  # lengths
-            pointer,  # out
-            *(c_int,) * 6,  # rows, kv_heads, group, dim, num_blocks, block_size
-            ctypes.c_float,  # scale
-            c_int,  # threads
-        ]
+        self.function = bind(
+            library,
+            "decode_attention_bf16",
+            [
+                POINTER,  # q
+                C_LONG,  # q row stride (elements)
+                POINTER,  # layer cache
+                POINTER,  # block table
+                C_INT,  # block table width
+                POINTER,  # lengths
+                POINTER,  # out
+                *(C_INT,) * 6,  # rows, kv_heads, group, dim, num_blocks, block_size
+                C_FLOAT,  # scale
+                C_INT,  # threads
+            ],
+        )
 
     def __call__(
         self,
@@ -145,19 +159,20 @@ class DecodeAttentionKernel:
 
 class AddRMSNormKernel:
     def __init__(self, library: ctypes.CDLL):
-        self.function = library.add_rms_norm_bf16
-        self.function.restype = None
-        pointer, c_int = ctypes.c_void_p, ctypes.c_int
-        self.function.argtypes = [
-            pointer,  # x, or None: normalise the residual as it is
-            pointer,  # residual, updated in place
-            pointer,  # weight
-            pointer,  # out
-            c_int,  # rows
-            c_int,  # dim
-            ctypes.c_float,  # eps
-            c_int,  # threads
-        ]
+        self.function = bind(
+            library,
+            "add_rms_norm_bf16",
+            [
+                POINTER,  # x, or None: normalise the residual as it is
+                POINTER,  # residual, updated in place
+                POINTER,  # weight
+                POINTER,  # out
+                C_INT,  # rows
+                C_INT,  # dim
+                C_FLOAT,  # eps
+                C_INT,  # threads
+            ],
+        )
 
     def __call__(
         self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -186,19 +201,20 @@ class AddRMSNormKernel:
 
 class RotaryCacheWriteKernel:
     def __init__(self, library: ctypes.CDLL):
-        self.function = library.rotary_cache_write_bf16
-        self.function.restype = None
-        pointer, c_int, c_long = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-        self.function.argtypes = [
-            pointer,  # qkv, rotated in place
-            c_long,  # qkv row stride (elements)
-            pointer,  # cos rows
-            pointer,  # signed sin rows
-            pointer,  # slot mapping
-            pointer,  # layer cache
-            c_long,  # slots per plane
-            *(c_int,) * 5,  # tokens, heads, kv_heads, dim, threads
-        ]
+        self.function = bind(
+            library,
+            "rotary_cache_write_bf16",
+            [
+                POINTER,  # qkv, rotated in place
+                C_LONG,  # qkv row stride (elements)
+                POINTER,  # cos rows
+                POINTER,  # signed sin rows
+                POINTER,  # slot mapping
+                POINTER,  # layer cache
+                C_LONG,  # slots per plane
+                *(C_INT,) * 5,  # tokens, heads, kv_heads, dim, threads
+            ],
+        )
 
     def __call__(
         self,
@@ -245,10 +261,7 @@ class RotaryCacheWriteKernel:
 
 class SiluMulKernel:
     def __init__(self, library: ctypes.CDLL):
-        self.function = library.silu_mul_bf16
-        self.function.restype = None
-        pointer, c_int = ctypes.c_void_p, ctypes.c_int
-        self.function.argtypes = [pointer, pointer, c_int, c_int, c_int]
+        self.function = bind(library, "silu_mul_bf16", [POINTER, POINTER, C_INT, C_INT, C_INT])
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [rows, 2 * width] bf16 rows of [gate | up] -> silu(gate) * up."""
