@@ -304,7 +304,7 @@ class KernelCeilings:
     head_params: int  # weights of the vocabulary projection
     batched_flops: float  # FLOP/s of a pass at the step's token budget in rows
     batched_rows: int
-    gemv_seconds: float  # one pass at a single row: a decode step's floor
+    gemv_seconds: float  # one pass at a single row, as the decode runs it: a decode step's floor
 
     def flops(self, rows: int, tokens: int, outputs: int, config: Any) -> float:
         """FLOPs of `rows` sequences that each compute `tokens` tokens, `outputs` of them
@@ -345,13 +345,32 @@ def measure_ceilings(model: Any, rows: int) -> KernelCeilings:
                 best = min(best, time.perf_counter() - started)
         return best
 
+    def single_row_pass(repeats: int) -> float:
+        """The pass a one-row decode step makes: the few-row kernel on the step kernel's
+        packed matrices where the model has it, else the Linear modules at one row."""
+        from engine.models import decode_attention
+
+        step, kernel = model.step_kernel, decode_attention.load_linear_rows()
+        if step is None or kernel is None:
+            return best_pass(1, repeats)
+        packed = [t for t in step.tensors if t.dim() == 4]  # [tiles, in / 32, 16, 32]
+        depth = decode_attention.LINEAR_DEPTH
+        inputs = {t.shape[1]: torch.randn(1, t.shape[1] * depth).to(torch.bfloat16) for t in packed}
+        best = float("inf")
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            for t in packed:
+                kernel(inputs[t.shape[1]], t, t.shape[0] * decode_attention.LINEAR_TILE)
+            best = min(best, time.perf_counter() - started)
+        return best
+
     batched = best_pass(rows, 3)
     return KernelCeilings(
         layer_params=layer_params,
         head_params=head_params,
         batched_flops=2 * rows * (layer_params + head_params) / batched,
         batched_rows=rows,
-        gemv_seconds=best_pass(1, 10),
+        gemv_seconds=single_row_pass(10),
     )
 
 

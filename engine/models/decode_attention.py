@@ -24,10 +24,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -274,6 +276,156 @@ class SiluMulKernel:
         return out
 
 
+LINEAR_TILE, LINEAR_DEPTH = 16, 32  # the packed weight layout of linear_rows (C)
+STEP_MAX_ROWS = 4  # decode steps of up to this many rows run in decode_step_bf16
+
+
+def pack_rows(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 [out, in] weight as [tiles, in / 32, 16, 32], its rows padded with zeros to
+    whole tiles of 16: the order in which the few-row linear kernel reads it, one
+    sequential stream per tile."""
+    out, width = weight.shape
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or width % LINEAR_DEPTH:
+        raise ValueError("pack_rows needs a bf16 [out, in] weight with in % 32 == 0")
+    weight = F.pad(weight, (0, 0, 0, -out % LINEAR_TILE))
+    tiles = weight.view(-1, LINEAR_TILE, width // LINEAR_DEPTH, LINEAR_DEPTH)
+    return tiles.permute(0, 2, 1, 3).contiguous()
+
+
+class LinearRowsKernel:
+    """x @ W.T for a few bf16 rows against a weight packed by pack_rows."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self.function = bind(
+            library, "linear_rows_bf16", [POINTER, POINTER, POINTER, *(C_INT,) * 4]
+        )
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        """x: [rows, in] bf16 contiguous; packed: pack_rows of an [out_features, in] weight."""
+        tiles, depth, _, _ = packed.shape
+        rows, width = x.shape
+        if x.dtype != torch.bfloat16 or not x.is_contiguous() or width != depth * LINEAR_DEPTH:
+            raise ValueError("linear_rows needs contiguous bf16 rows as wide as the weight")
+        if not (tiles - 1) * LINEAR_TILE < out_features <= tiles * LINEAR_TILE:
+            raise ValueError("linear_rows: out_features does not match the packed weight")
+        out = torch.empty((rows, out_features), dtype=torch.bfloat16)
+        self.function(
+            x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, width, out_features,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+class DecodeStepShape(ctypes.Structure):
+    """step_shape in decode_attention.c."""
+
+    INTS = "layers hidden heads kv_heads dim intermediate vocab num_blocks block_size"
+    _fields_ = [*((name, C_INT) for name in INTS.split()), ("eps", C_FLOAT), ("scale", C_FLOAT)]
+
+
+@dataclass(slots=True)
+class StepLayer:
+    """One decoder layer's weights as decode_step_bf16 reads them: bf16, the norms' as
+    they are, the matrices packed by pack_rows."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    output: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class DecodeStepKernel:
+    """A whole decode step of a few rows (at most STEP_MAX_ROWS) in one call: every layer's
+    norms, linears, rotary + cache write and attention, then the final norm and the
+    vocabulary projection. Holds the packed weights (one more copy of the matrices)."""
+
+    def __init__(
+        self,
+        library: ctypes.CDLL,
+        shape: DecodeStepShape,
+        layers: list[StepLayer],
+        final_norm: torch.Tensor,
+        head: torch.Tensor,
+    ):
+        self.function = bind(
+            library,
+            "decode_step_bf16",
+            [
+                ctypes.POINTER(DecodeStepShape),
+                POINTER,  # weights: the pointer array
+                POINTER,  # cache
+                POINTER,  # residual: the embeddings, overwritten
+                POINTER,  # cos rows
+                POINTER,  # signed sin rows
+                POINTER,  # slot mapping
+                POINTER,  # block table
+                C_INT,  # block table width
+                POINTER,  # lengths
+                POINTER,  # logits
+                C_INT,  # rows
+                C_INT,  # threads
+            ],
+        )
+        self.function.restype = C_INT
+        self.shape = shape
+        tensors = [t for layer in layers for t in (
+            layer.input_norm, layer.qkv, layer.output, layer.post_norm, layer.gate_up, layer.down
+        )] + [final_norm, head]  # fmt: skip
+        if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in tensors):
+            raise ValueError("decode_step needs contiguous bf16 weights")
+        self.tensors = tensors  # the pointers below point into these
+        self.pointers = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+    def __call__(
+        self,
+        embeddings: torch.Tensor,
+        cache: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_table: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> torch.Tensor:
+        """embeddings: [rows, hidden] bf16, contiguous, used as scratch; cache: every
+        layer's [layers, 2 * kv_heads, blocks, block_size, dim] bf16; cos, signed_sin:
+        [rows, dim] bf16; slot_mapping [rows] int64; block_table, lengths as for
+        DecodeAttentionKernel. Returns the logits [rows, vocab] fp32."""
+        shape = self.shape
+        rows = embeddings.shape[0]
+        if not 1 <= rows <= STEP_MAX_ROWS or embeddings.shape[1] != shape.hidden:
+            raise ValueError(f"decode_step takes 1 to {STEP_MAX_ROWS} rows of the hidden size")
+        tensors = (embeddings, cache, cos, signed_sin, block_table, lengths, slot_mapping)
+        if not all(t.is_contiguous() for t in tensors) or cos.shape != (rows, shape.dim):
+            raise ValueError("decode_step needs contiguous inputs, one cos and sin row per row")
+        expected = (shape.layers, 2 * shape.kv_heads, shape.dim)
+        if cache.dtype != torch.bfloat16 or (*cache.shape[:2], cache.shape[4]) != expected:
+            raise ValueError("decode_step needs the model's bf16 KV cache")
+        shape.num_blocks, shape.block_size = cache.shape[2], cache.shape[3]
+        if slot_mapping.dtype != torch.int64 or block_table.dtype != torch.int32:
+            raise ValueError("decode_step needs int64 slots and an int32 block table")
+        logits = torch.empty((rows, shape.vocab), dtype=torch.float32)
+        status = self.function(
+            ctypes.byref(shape),
+            self.pointers,
+            cache.data_ptr(),
+            embeddings.data_ptr(),
+            cos.data_ptr(),
+            signed_sin.data_ptr(),
+            slot_mapping.data_ptr(),
+            block_table.data_ptr(),
+            block_table.shape[1],
+            lengths.data_ptr(),
+            logits.data_ptr(),
+            rows,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError("decode_step could not allocate its scratch rows")
+        return logits
+
+
 def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     group = num_heads // num_kv_heads
     return head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM and group <= MAX_GROUP
@@ -316,3 +468,24 @@ def load_silu_mul() -> SiluMulKernel | None:
     """SwiGLU's silu(gate) * up in one pass, or None where it cannot run."""
     lib = library()
     return None if lib is None else SiluMulKernel(lib)
+
+
+def has_decode_step() -> bool:
+    """Whether the library has the few-row kernels (they need avx512_bf16)."""
+    lib = library()
+    return lib is not None and hasattr(lib, "decode_step_bf16")
+
+
+def load_linear_rows() -> LinearRowsKernel | None:
+    """The few-row linear kernel on pack_rows weights, or None where it cannot run."""
+    return LinearRowsKernel(library()) if has_decode_step() else None  # type: ignore[arg-type]
+
+
+def load_decode_step(
+    shape: DecodeStepShape, layers: list[StepLayer], final_norm: torch.Tensor, head: torch.Tensor
+) -> DecodeStepKernel | None:
+    """The whole-step kernel for a few decode rows, or None where it cannot run."""
+    lib = library()
+    if lib is None or not hasattr(lib, "decode_step_bf16"):
+        return None
+    return DecodeStepKernel(lib, shape, layers, final_norm, head)

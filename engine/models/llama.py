@@ -307,6 +307,49 @@ class LlamaModel(nn.Module):
             layer.attention.decode_kernel = self.decode_kernel
             layer.attention.rotary_kernel = rotary
             layer.mlp.silu_mul_kernel = silu_mul
+        every = self.norm_kernel and rotary and silu_mul and self.decode_kernel
+        self.step_kernel = self._decode_step_kernel() if every else None
+
+    def _decode_step_kernel(self) -> decode_attention.DecodeStepKernel | None:
+        """The whole-step kernel for decode steps of a few rows, with the matrices packed
+        for it, where the library has it and every matrix is bf16 of a shape it takes."""
+        config = self.config
+        linears = [self.lm_head]
+        for layer in self.layer_list:
+            attention, mlp = layer.attention, layer.mlp
+            linears += [attention.qkv, attention.output, mlp.gate_up, mlp.down]
+        shapes_fit = all(
+            m.weight.dtype == torch.bfloat16
+            and m.weight.shape[1] % decode_attention.LINEAR_DEPTH == 0
+            for m in linears
+        )
+        if not (shapes_fit and decode_attention.has_decode_step()):
+            return None
+        pack = decode_attention.pack_rows
+        layers = [
+            decode_attention.StepLayer(
+                input_norm=layer.input_norm.weight.detach(),
+                qkv=pack(layer.attention.qkv.weight.detach()),
+                output=pack(layer.attention.output.weight.detach()),
+                post_norm=layer.post_attention_norm.weight.detach(),
+                gate_up=pack(layer.mlp.gate_up.weight.detach()),
+                down=pack(layer.mlp.down.weight.detach()),
+            )
+            for layer in self.layer_list
+        ]
+        shape = decode_attention.DecodeStepShape(
+            layers=config.num_layers,
+            hidden=config.hidden_size,
+            heads=config.num_heads,
+            kv_heads=config.num_kv_heads,
+            dim=config.head_dim,
+            intermediate=config.intermediate_size,
+            vocab=self.lm_head.out_features,
+            eps=config.rms_norm_eps,
+            scale=config.head_dim**-0.5,
+        )
+        head = pack(self.lm_head.weight.detach())
+        return decode_attention.load_decode_step(shape, layers, self.norm.weight.detach(), head)
 
     def forward(
         self,
@@ -318,6 +361,25 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         # input_ids, positions: [tokens]; returns logits [len(logits_indices), vocab] fp32
         hidden = self.embed(input_ids)  # [tokens, hidden]
+        table = meta.decode_table
+        rows = input_ids.shape[0]
+        if (
+            self.step_kernel is not None
+            and table is not None
+            and meta.num_decode == rows <= decode_attention.STEP_MAX_ROWS
+            and cache.kv.dtype == torch.bfloat16
+        ):
+            # A few decode rows: the whole step in one kernel call; every row samples.
+            assert logits_indices.shape[0] == rows
+            return self.step_kernel(
+                hidden.contiguous(),
+                cache.kv,
+                self.cos[positions],
+                self.signed_sin[positions],
+                meta.slot_mapping,
+                table.block_table,
+                table.lengths,
+            )
         cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
         sin = self.signed_sin[positions].unsqueeze(1)
         if self.norm_kernel is not None:

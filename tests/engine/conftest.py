@@ -39,8 +39,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def build_tiny_llama(folder: Path) -> None:
-    """A 2-layer random Llama with a 512-token byte-level BPE tokenizer and a ChatML template."""
+def build_tiny_llama(folder: Path, hidden_size: int = 64, intermediate_size: int = 128) -> None:
+    """A 2-layer random Llama with a 512-token byte-level BPE tokenizer and a ChatML template;
+    4 query heads over 2 KV heads, head_dim = hidden_size / 4."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -62,8 +63,8 @@ def build_tiny_llama(folder: Path) -> None:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -82,6 +83,15 @@ def build_tiny_llama(folder: Path) -> None:
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama")
     build_tiny_llama(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dim32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with head_dim 32: the smallest the bf16 rotary kernel, and so the
+    whole decode step kernel, takes."""
+    folder = tmp_path_factory.mktemp("tiny-llama-dim32")
+    build_tiny_llama(folder, hidden_size=128, intermediate_size=256)
     return folder
 
 
