@@ -75,18 +75,36 @@ static inline __m512 sum16(const __m512 *d) {
                          _mm512_shuffle_f32x4(low, high, 0xdd));
 }
 
+/* With avx512_bf16, scores are vdpbf16ps of the bf16 query and key, two values per lane,
+   scaled afterwards: no widening of K to fp32 (the products are exact either way). It
+   takes dim a multiple of 32; otherwise q is widened and scaled first, K widened. */
+#if defined(__AVX512BF16__)
+#define DOT_BF16 1
+#else
+#define DOT_BF16 0
+#endif
+
 /* One (row, kv head): chunks = dim / 16, a constant where the caller inlines it. */
 static inline __attribute__((always_inline)) void attend(
     const uint16_t *q, const uint16_t *keys, const uint16_t *values, const int32_t *table,
     int length, uint16_t *out, int group, int chunks, int block_size, float scale) {
-    const int dim = 16 * chunks;
+    const int dim = 16 * chunks, paired = DOT_BF16 && chunks % 2 == 0;
     __m512 query[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS];
     float running_max[MAX_GROUP], running_sum[MAX_GROUP];
+#if DOT_BF16
+    __m512bh query_pairs[MAX_GROUP][MAX_CHUNKS / 2];
+#endif
     for (int g = 0; g < group; g++) {
         for (int c = 0; c < chunks; c++) {
-            query[g][c] = _mm512_mul_ps(load_bf16x16(q + g * dim + 16 * c), _mm512_set1_ps(scale));
+            if (!paired)
+                query[g][c] = _mm512_mul_ps(load_bf16x16(q + g * dim + 16 * c), _mm512_set1_ps(scale));
             acc[g][c] = _mm512_setzero_ps();
         }
+#if DOT_BF16
+        if (paired)
+            for (int c = 0; c < chunks / 2; c++)
+                query_pairs[g][c] = (__m512bh)_mm512_loadu_si512(q + g * dim + 32 * c);
+#endif
         running_max[g] = -INFINITY;
         running_sum[g] = 0.f;
     }
@@ -112,6 +130,20 @@ static inline __attribute__((always_inline)) void attend(
            from DRAM, the scattered blocks' reads bound it either way (about 18 GB/s). */
         __m512 dots[MAX_GROUP][16];
         for (int t = 0; t < count; t++) {
+#if DOT_BF16
+            if (paired) {
+                __m512bh key[MAX_CHUNKS / 2];
+                for (int c = 0; c < chunks / 2; c++)
+                    key[c] = (__m512bh)_mm512_loadu_si512(keys + offset + t * dim + 32 * c);
+                for (int g = 0; g < group; g++) {
+                    __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), query_pairs[g][0], key[0]);
+                    for (int c = 1; c < chunks / 2; c++)
+                        dot = _mm512_dpbf16_ps(dot, query_pairs[g][c], key[c]);
+                    dots[g][t] = dot;
+                }
+                continue;
+            }
+#endif
             __m512 key[MAX_CHUNKS];
             for (int c = 0; c < chunks; c++) key[c] = load_bf16x16(keys + offset + t * dim + 16 * c);
             for (int g = 0; g < group; g++) {
@@ -125,7 +157,9 @@ static inline __attribute__((always_inline)) void attend(
         float scores[MAX_GROUP][16];
         const __mmask16 valid = (__mmask16)((1u << count) - 1);
         for (int g = 0; g < group; g++) {
-            const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sum16(dots[g]));
+            const __m512 sums = paired ? _mm512_mul_ps(sum16(dots[g]), _mm512_set1_ps(scale))
+                                       : sum16(dots[g]);
+            const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sums);
             const float new_max = fmaxf(running_max[g], _mm512_reduce_max_ps(s));
             const float correction = expf(running_max[g] - new_max); /* 0 on the first chunk */
             running_max[g] = new_max;
