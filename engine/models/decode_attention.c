@@ -75,9 +75,10 @@ static inline __m512 sum16(const __m512 *d) {
                          _mm512_shuffle_f32x4(low, high, 0xdd));
 }
 
-/* With avx512_bf16, scores are vdpbf16ps of the bf16 query and key, two values per lane,
-   scaled afterwards: no widening of K to fp32 (the products are exact either way). It
-   takes dim a multiple of 32; otherwise q is widened and scaled first, K widened. */
+/* With avx512_bf16 and dim a multiple of 32, both products run on vdpbf16ps straight from
+   the bf16 cache, with no widening of K and V to fp32: the scores (bf16 q . bf16 k, exact
+   products, scaled afterwards) and probs @ V (the probabilities rounded to bf16 first, as
+   the PyTorch path rounds them). Otherwise q is widened and scaled, K and V widened. */
 #if defined(__AVX512BF16__)
 #define DOT_BF16 1
 #else
@@ -170,6 +171,34 @@ static inline __attribute__((always_inline)) void attend(
             const __m512 factor = _mm512_set1_ps(correction);
             for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], factor);
         }
+#if DOT_BF16
+        if (paired) {
+            /* probs @ V two keys per vdpbf16ps: the probabilities as bf16 pairs (p[t],
+               p[t + 1]) against V rows t and t + 1 interleaved by 16-bit unpacks, so each
+               accumulator's lanes hold dims in unpack order (undone at the end). */
+            uint32_t pairs[MAX_GROUP][8];
+            for (int g = 0; g < group; g++)
+                _mm256_storeu_si256((__m256i *)pairs[g],
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores[g])));
+            for (int t = 0; t < count; t += 2) {
+                const uint16_t *row = values + offset + (long)t * dim;
+                for (int c = 0; c < chunks / 2; c++) {
+                    const __m512i a = _mm512_loadu_si512(row + 32 * c);
+                    const __m512i b = t + 1 < count ? _mm512_loadu_si512(row + dim + 32 * c)
+                                                    : _mm512_setzero_si512();
+                    const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(a, b);
+                    const __m512bh high = (__m512bh)_mm512_unpackhi_epi16(a, b);
+                    for (int g = 0; g < group; g++) {
+                        const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pairs[g][t / 2]);
+                        acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], low, p);
+                        acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], high, p);
+                    }
+                }
+            }
+            position = next;
+            continue;
+        }
+#endif
         for (int t = 0; t < count; t++) {
             __m512 value[MAX_CHUNKS];
             for (int c = 0; c < chunks; c++) value[c] = load_bf16x16(values + offset + t * dim + 16 * c);
@@ -180,10 +209,21 @@ static inline __attribute__((always_inline)) void attend(
         }
         position = next;
     }
+    /* paired: per 32 dims, lane 4L + i of the low accumulator holds dim 8L + i, of the
+       high one dim 8L + 4 + i */
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
     for (int g = 0; g < group; g++) {
         float row[16 * MAX_CHUNKS];
         const __m512 inverse = _mm512_set1_ps(1.f / running_sum[g]);
-        for (int c = 0; c < chunks; c++) _mm512_storeu_ps(row + 16 * c, _mm512_mul_ps(acc[g][c], inverse));
+        for (int c = 0; c < chunks; c++) {
+            __m512 v = acc[g][c];
+            if (paired) {
+                const __m512 low = acc[g][c & ~1], high = acc[g][c | 1];
+                v = _mm512_permutex2var_ps(low, c & 1 ? second : first, high);
+            }
+            _mm512_storeu_ps(row + 16 * c, _mm512_mul_ps(v, inverse));
+        }
         for (int d = 0; d < dim; d++) out[g * dim + d] = bf16_from_float(row[d]);
     }
 }
