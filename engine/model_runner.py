@@ -61,6 +61,7 @@ class ModelRunner:
         # Single-token rows longest first, so that decode groups of similar lengths pad little.
         decode_seqs = sorted(batch.seqs[:num_decode], key=len, reverse=True)
         seqs = decode_seqs + batch.seqs[num_decode:]
+        use_kernel = self.uses_decode_kernel  # then it attends every token, prefills too
         for index, (seq, count) in enumerate(zip(seqs, batch.num_new_tokens, strict=True)):
             start = len(input_ids)
             done = seq.num_computed_tokens
@@ -73,7 +74,7 @@ class ModelRunner:
             if done + count == len(seq):
                 logits_indices.append(start + count - 1)
                 sampling.append(seq)
-            if index >= num_decode:
+            if index >= num_decode and not use_kernel:
                 gather_ids = mask = None
                 if done:
                     blocks = -(-(done + count) // size)
@@ -86,8 +87,8 @@ class ModelRunner:
             slot_mapping=torch.tensor(slot_mapping, device=self.device), prefills=prefills
         )
         meta.num_decode = num_decode
-        if decode_seqs and self.uses_decode_kernel:
-            meta.decode_table = self._decode_table(decode_seqs)
+        if use_kernel:
+            meta.decode_table = self._attention_table(seqs, batch.num_new_tokens, num_decode)
         elif decode_seqs:
             meta.decode_groups = self._decode_groups(decode_seqs)
         return (
@@ -102,14 +103,34 @@ class ModelRunner:
     def uses_decode_kernel(self) -> bool:
         return self.model.decode_kernel is not None and self.cache.kv.dtype == torch.bfloat16
 
-    def _decode_table(self, seqs: list[Sequence]) -> DecodeTable:
-        """Each row's blocks (longest first: the kernel hands out rows in order) and length."""
-        width = -(-len(seqs[0]) // self.block_size)
-        table = [seq.block_table[:width] + [0] * (width - len(seq.block_table)) for seq in seqs]
-        return DecodeTable(
-            torch.tensor(table, dtype=torch.int32, device=self.device),
-            torch.tensor([len(seq) for seq in seqs], dtype=torch.int32, device=self.device),
-        )
+    def _attention_table(
+        self, seqs: list[Sequence], counts: list[int], num_decode: int
+    ) -> DecodeTable:
+        """Every token's row for the attention kernel: its sequence's blocks and its length
+        (the keys up to its own position). A decode row attends to its whole sequence (the
+        rows come longest first: the kernel hands them out in order); the i-th token of a
+        prefill chunk after `context` cached tokens to context + i + 1 keys, which makes
+        the chunk causal with no mask, and reads its context from the cache, no gather."""
+        size = self.block_size
+        ends = [seq.num_computed_tokens + count for seq, count in zip(seqs, counts, strict=True)]
+        width = max(-(-end // size) for end in ends)
+
+        def row(seq: Sequence, end: int) -> list[int]:
+            blocks = -(-end // size)
+            return seq.block_table[:blocks] + [0] * (width - blocks)
+
+        decode = [row(seq, end) for seq, end in zip(seqs[:num_decode], ends, strict=False)]
+        tables = [torch.tensor(decode, dtype=torch.int32, device=self.device).view(-1, width)]
+        lengths = [torch.tensor(ends[:num_decode], dtype=torch.int32, device=self.device)]
+        for seq, count, end in zip(
+            seqs[num_decode:], counts[num_decode:], ends[num_decode:], strict=True
+        ):
+            table = torch.tensor(row(seq, end), dtype=torch.int32, device=self.device)
+            tables.append(table.expand(count, width))
+            lengths.append(
+                torch.arange(end - count + 1, end + 1, dtype=torch.int32, device=self.device)
+            )
+        return DecodeTable(torch.cat(tables), torch.cat(lengths))
 
     def _decode_groups(self, seqs: list[Sequence]) -> list[DecodeGroup]:
         """Split single-token rows (longest first) into groups padded to their own longest.

@@ -1,10 +1,11 @@
 """Llama-family decoder over a paged KV cache: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
 All sequences of a step are flattened into one token axis so every matmul sees the
-whole batch. Only attention is per sequence: single-token rows (decodes) run in one
-call of the fused bf16 kernel (decode_attention.c) where it is available, else in
-groups of similar length against K gathered from the paged cache and V summed
-straight from it; prefill chunks run one SDPA each.
+whole batch. Only attention is per sequence: where the fused bf16 kernel
+(decode_attention.c) is available, every token of the step is one of its rows, with its
+own blocks and length (a prefill chunk's tokens causal by their lengths); else
+single-token rows (decodes) run in groups of similar length against K gathered from the
+paged cache and V summed straight from it, and prefill chunks run one SDPA each.
 """
 
 from __future__ import annotations
@@ -42,17 +43,19 @@ class DecodeGroup:
 
 @dataclass(slots=True)
 class DecodeTable:
-    """Single-token rows for the fused kernel: each row's own blocks, no padding read."""
+    """Every token of the step as a row of the fused attention kernel (decode rows, then
+    each prefill chunk's tokens): each row's own blocks and length, no padding read."""
 
     block_table: torch.Tensor  # [rows, widest row's blocks] int32, short rows padded with 0
-    lengths: torch.Tensor  # [rows] int32: keys per row, the token computed now included
+    lengths: torch.Tensor  # [rows] int32: keys per row, the row's own token included
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens] cache slot written by each token
     num_decode: int = 0  # the first num_decode tokens are single-token rows
-    # the decode rows: a DecodeTable for the fused kernel, or else decode groups
+    # with the fused kernel, a DecodeTable of every token (and no decode groups or
+    # prefill chunks); else decode groups and prefill chunks for PyTorch ops
     decode_table: DecodeTable | None = None
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
@@ -154,7 +157,7 @@ class LlamaAttention(nn.Module):
         table = meta.decode_table
         if table is not None:
             assert self.decode_kernel is not None
-            rows = q[: meta.num_decode]
+            rows = q[: table.lengths.shape[0]]
             parts = [self.decode_kernel(rows, cache, table.block_table, table.lengths, self.scale)]
         else:
             parts = [self._decode(q[g.start : g.end], cache, g) for g in meta.decode_groups]
