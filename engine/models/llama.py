@@ -310,7 +310,8 @@ class LlamaModel(nn.Module):
             layer.attention.decode_kernel = self.decode_kernel
             layer.attention.rotary_kernel = rotary
             layer.mlp.silu_mul_kernel = silu_mul
-        every = self.norm_kernel and rotary and silu_mul and self.decode_kernel
+        kernels = (self.norm_kernel, rotary, silu_mul, self.decode_kernel)
+        every = all(kernel is not None for kernel in kernels)
         self.step_kernel = self._decode_step_kernel() if every else None
 
     def _decode_step_kernel(self) -> decode_attention.DecodeStepKernel | None:
