@@ -54,6 +54,11 @@ class AnalysisPolicy:
     latency_tolerance: float = 0.10
     # Canary joules per token may exceed the baseline's by this fraction.
     energy_tolerance: float = 0.15
+    # Energy per token is compared only where the two sides' tokens per agent-second are
+    # within this ratio: an engine with less traffic batches less, and the weights it
+    # reads per step are most of a token's energy (a 25 % canary beside a 75 % baseline
+    # would fail on load alone).
+    energy_load_ratio: float = 0.75
     # Fewer samples than this on either side: inconclusive.
     min_samples: int = 30
     # Analysis window (seconds, never before the stage started).
@@ -72,7 +77,7 @@ class AnalysisPolicy:
             value = getattr(self, name)
             if not _is_number(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
-        fractions = ("error_rate_max", "hard_error_rate_max")
+        fractions = ("error_rate_max", "hard_error_rate_max", "energy_load_ratio")
         for name in fractions:
             value = getattr(self, name)
             if not _is_number(value) or not 0 <= value <= 1:
@@ -116,6 +121,8 @@ class Samples:
     itl_ms: Sequence[float] = ()
     errors: Sequence[bool] = ()  # one flag per request
     joules_per_token: float | None = None
+    # tokens per second per agent serving the version over the window (its load)
+    tokens_per_agent_s: float | None = None
 
     @property
     def requests(self) -> int:
@@ -150,6 +157,7 @@ def summarize(samples: Samples) -> dict[str, Any]:
         "itl_p50_ms": percentile(samples.itl_ms, 50),
         "itl_p95_ms": percentile(samples.itl_ms, 95),
         "joules_per_token": samples.joules_per_token,
+        "tokens_per_agent_s": samples.tokens_per_agent_s,
     }
 
 
@@ -255,8 +263,19 @@ def analyze(
             f" {base['error_rate']:.3f}: z={errors['z']:.2f}, p={errors['p_value']:.2g}"
         )
 
-    # Energy per token against the baseline.
-    if canary.joules_per_token is not None and baseline.joules_per_token is not None:
+    # Energy per token against the baseline, at comparable loads.
+    loads = (canary.tokens_per_agent_s, baseline.tokens_per_agent_s)
+    load_ratio = min(loads) / max(loads) if None not in loads and max(loads) > 0 else None
+    if canary.joules_per_token is None or baseline.joules_per_token is None:
+        result.reasons.append("energy per token: no figures for one side; not compared")
+    elif load_ratio is not None and load_ratio < policy.energy_load_ratio:
+        result.tests["energy_load_ratio"] = load_ratio
+        result.reasons.append(
+            f"energy per token: loads differ ({canary.tokens_per_agent_s:.3g} tokens/s per"
+            f" agent on the canary, {baseline.tokens_per_agent_s:.3g} on the baseline, ratio"
+            f" {load_ratio:.2f} < {policy.energy_load_ratio:g}); not compared"
+        )
+    else:
         limit = baseline.joules_per_token * (1 + policy.energy_tolerance)
         result.tests["energy_limit_j_per_token"] = limit
         if canary.joules_per_token > limit:
@@ -264,8 +283,6 @@ def analyze(
                 f"energy {canary.joules_per_token:.4g} J/token is over the baseline's"
                 f" {baseline.joules_per_token:.4g} J/token + {policy.energy_tolerance:.0%}"
             )
-    else:
-        result.reasons.append("energy per token: no figures for one side; not compared")
 
     if failures:
         result.verdict = Verdict.FAIL

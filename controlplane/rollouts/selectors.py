@@ -55,8 +55,9 @@ def request_samples_window(
     """One version's samples finished in (start, end], latencies in milliseconds.
 
     ITL is each request's mean inter-token latency; TTFT and ITL exist for streamed
-    requests only, errors for every request. Joules per token come from the gateway's
-    energy attribution for intervals ending in the window.
+    requests only, errors for every request. Joules per token and the load (tokens per
+    agent-second) come from the gateway's energy attribution for intervals ending in the
+    window.
     """
     rows = RequestSample.objects.filter(
         version_id=version_id, finished_at__gt=start, finished_at__lte=end
@@ -72,26 +73,36 @@ def request_samples_window(
             ttft.append(ttft_s * 1000.0)
         if itl_s is not None and not is_error:
             itl.append(itl_s * 1000.0)
+    per_token, load = energy_figures(version_id=version_id, start=start, end=end)
     return Samples(
         ttft_ms=ttft,
         itl_ms=itl,
         errors=errors,
-        joules_per_token=joules_per_token(version_id=version_id, start=start, end=end),
+        joules_per_token=per_token,
+        tokens_per_agent_s=load,
     )
 
 
-def joules_per_token(*, version_id: int, start: datetime, end: datetime) -> float | None:
+def energy_figures(
+    *, version_id: int, start: datetime, end: datetime
+) -> tuple[float | None, float | None]:
+    """(joules per token, tokens per second per agent) of the version over the window, from
+    the energy intervals ending in it; (None, None) where it served no tokens."""
     joules = 0.0
     tokens = 0
+    agents: set[str] = set()
     allocations = EnergyAllocation.objects.filter(
         interval_end__gt=start, interval_end__lte=end
-    ).values_list("shares", flat=True)
-    for shares in allocations:
+    ).values_list("agent", "shares")
+    for agent, shares in allocations:
         for share in shares or []:
             if share.get("version_id") == version_id:
                 joules += float(share.get("joules", 0.0))
                 tokens += int(share.get("tokens", 0))
-    return joules / tokens if tokens else None
+                agents.add(agent)
+    if not tokens:
+        return None, None
+    return joules / tokens, tokens / len(agents) / (end - start).total_seconds()
 
 
 def request_count(*, version_id: int, start: datetime, end: datetime) -> int:

@@ -118,6 +118,45 @@ def test_energy_over_tolerance_fails() -> None:
     assert result.reasons == ["energy 1.2 J/token is over the baseline's 1 J/token + 15%"]
 
 
+def energy_side(joules_per_token: float, tokens_per_agent_s: float) -> Samples:
+    return Samples(
+        ttft_ms=[10.0] * 5,
+        itl_ms=[5.0] * 5,
+        errors=[False] * 5,
+        joules_per_token=joules_per_token,
+        tokens_per_agent_s=tokens_per_agent_s,
+    )
+
+
+def test_energy_is_not_compared_at_unequal_loads() -> None:
+    """A 25 % canary batches less than a 75 % baseline and reads its weights for fewer
+    tokens per step: its energy per token says more about its load than its version."""
+    policy = AnalysisPolicy(min_samples=5)
+    result = analyze(baseline=energy_side(1.0, 9.0), canary=energy_side(2.5, 3.0), policy=policy)
+    assert result.verdict == Verdict.PASS
+    assert result.tests["energy_load_ratio"] == pytest.approx(1 / 3)
+    assert "energy_limit_j_per_token" not in result.tests
+    assert result.reasons[1] == (
+        "energy per token: loads differ (3 tokens/s per agent on the canary, 9 on the"
+        " baseline, ratio 0.33 < 0.75); not compared"
+    )
+    assert result.canary["tokens_per_agent_s"] == 3.0
+
+
+def test_energy_is_compared_at_comparable_loads() -> None:
+    policy = AnalysisPolicy(min_samples=5)
+    result = analyze(baseline=energy_side(1.0, 9.0), canary=energy_side(1.2, 8.0), policy=policy)
+    assert result.verdict == Verdict.FAIL
+    assert result.reasons == ["energy 1.2 J/token is over the baseline's 1 J/token + 15%"]
+    # the ratio is the policy's to set: 0 compares at any load
+    result = analyze(
+        baseline=energy_side(1.0, 9.0),
+        canary=energy_side(1.2, 1.0),
+        policy=AnalysisPolicy(min_samples=5, energy_load_ratio=0.0),
+    )
+    assert result.verdict == Verdict.FAIL
+
+
 def test_too_few_samples_is_inconclusive() -> None:
     side = Samples(ttft_ms=[1.0] * 4, itl_ms=[1.0] * 4, errors=[False] * 4)
     result = analyze(baseline=side, canary=side, policy=POLICY)
@@ -170,6 +209,7 @@ def test_hard_breach_needs_a_full_window_over_the_limit() -> None:
         ({"min_samples": 0}, "min_samples must be an integer >= 1"),
         ({"on_inconclusive": "shrug"}, "on_inconclusive must be 'fail' or 'hold'"),
         ({"ttft_p95_max_ms": -1}, "ttft_p95_max_ms must be a positive number"),
+        ({"energy_load_ratio": 1.5}, "energy_load_ratio must be between 0 and 1"),
         ({"surprise": 1}, "unknown policy fields: surprise"),
     ],
 )

@@ -1,7 +1,8 @@
 """The analysis task on real request samples: advance, roll back, idempotent per tick."""
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
+import pytest
 from django.utils import timezone
 
 from controlplane.audit.models import AuditEvent
@@ -204,3 +205,45 @@ def test_the_full_weight_stage_still_fails_a_canary_over_the_absolute_limits(
     run = AnalysisRun.objects.get()
     assert (run.verdict, run.action) == ("fail", "rollback")
     assert run.reasons[0].startswith("TTFT p95 400.0 ms is over the limit 300 ms")
+
+
+def test_energy_figures_give_joules_per_token_and_load_per_agent(versions) -> None:
+    from controlplane.gateway.models import EnergyAllocation
+    from controlplane.rollouts.selectors import energy_figures
+
+    stable, candidate = versions
+    end = timezone.now()
+    start = end - timedelta(seconds=20)
+
+    def interval(key: str, agent: str, ends: datetime, shares: list[dict]) -> None:
+        EnergyAllocation.objects.create(
+            source_key=key,
+            agent=agent,
+            interval_start=ends - timedelta(seconds=10),
+            interval_end=ends,
+            energy_joules=sum(s["joules"] for s in shares),
+            attributed_joules=sum(s["joules"] for s in shares),
+            tokens=sum(s["tokens"] for s in shares),
+            shares=shares,
+        )
+
+    def share(version, tokens: int, joules: float) -> dict:
+        return {"tenant_id": 1, "version_id": version.pk, "tokens": tokens, "joules": joules}
+
+    # two agents serve the stable version, one the candidate, over the 20 s window
+    interval("a", "http://a", end, [share(stable, 300, 3.0)])
+    interval("b", "http://b", end - timedelta(seconds=10), [share(stable, 100, 1.0)])
+    interval("c", "http://c", end, [share(candidate, 100, 2.0), share(candidate, 20, 0.4)])
+    interval("old", "http://a", start, [share(stable, 999, 99.0)])  # ends at the window's start
+    assert energy_figures(version_id=stable.pk, start=start, end=end) == (
+        pytest.approx(0.01),
+        pytest.approx(400 / 2 / 20),
+    )
+    assert energy_figures(version_id=candidate.pk, start=start, end=end) == (
+        pytest.approx(0.02),
+        pytest.approx(120 / 1 / 20),
+    )
+    assert energy_figures(version_id=stable.pk, start=end, end=end + timedelta(seconds=5)) == (
+        None,
+        None,
+    )
