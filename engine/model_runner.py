@@ -61,7 +61,8 @@ class ModelRunner:
         # Single-token rows longest first, so that decode groups of similar lengths pad little.
         decode_seqs = sorted(batch.seqs[:num_decode], key=len, reverse=True)
         seqs = decode_seqs + batch.seqs[num_decode:]
-        use_kernel = self.uses_decode_kernel  # then it attends every token, prefills too
+        use_kernel = self.uses_decode_kernel  # the decode rows attend through the kernel
+        kernel_prefill = use_kernel and self.model.kernel_prefill  # and the prefill chunks
         for index, (seq, count) in enumerate(zip(seqs, batch.num_new_tokens, strict=True)):
             start = len(input_ids)
             done = seq.num_computed_tokens
@@ -74,7 +75,7 @@ class ModelRunner:
             if done + count == len(seq):
                 logits_indices.append(start + count - 1)
                 sampling.append(seq)
-            if index >= num_decode and not use_kernel:
+            if index >= num_decode and not kernel_prefill:
                 gather_ids = mask = None
                 if done:
                     blocks = -(-(done + count) // size)
@@ -87,8 +88,12 @@ class ModelRunner:
             slot_mapping=torch.tensor(slot_mapping, device=self.device), prefills=prefills
         )
         meta.num_decode = num_decode
-        if use_kernel:
+        if kernel_prefill:
             meta.decode_table = self._attention_table(seqs, batch.num_new_tokens, num_decode)
+        elif use_kernel and decode_seqs:
+            meta.decode_table = self._attention_table(
+                decode_seqs, batch.num_new_tokens[:num_decode], num_decode
+            )
         elif decode_seqs:
             meta.decode_groups = self._decode_groups(decode_seqs)
         return (

@@ -1,4 +1,4 @@
-/* The engine's bf16 CPU kernels, AVX-512: decode attention over the paged KV cache (one
+/* The engine's bf16 CPU kernels, AVX-512 or AVX2: decode attention over the paged KV cache (one
    query token per row); then, at the end of the file, the rotary embedding fused with the
    KV cache write, the residual add fused with RMSNorm, and SwiGLU's silu(gate) * up.
 
@@ -14,19 +14,18 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if !defined(__AVX512F__)
-#error "decode_attention.c needs AVX-512"
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "decode_attention.c needs AVX2 and FMA"
 #endif
 
 #define MAX_GROUP 16
 #define MAX_CHUNKS 16 /* head_dim <= 256 */
 
-__m512 _ZGVeN16v_expf(__m512); /* glibc libmvec: 16 expf at once */
+/* ---- 16 fp32 lanes: one AVX-512 register, or two AVX2 ones -------------------------------
 
-static inline __m512 load_bf16x16(const uint16_t *p) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+   The kernels compute on vf16, 16 floats, through the few operations below; with AVX-512
+   each is one instruction on a __m512, with AVX2 two on a pair of __m256. Code that only
+   AVX-512 has (vdpbf16ps, masked stores, two-source permutes) stays under DOT_BF16. */
 
 static inline uint16_t bf16_from_float(float f) {
     uint32_t bits;
@@ -36,8 +35,33 @@ static inline uint16_t bf16_from_float(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+#if defined(__AVX512F__)
+typedef __m512 vf16;
+__m512 _ZGVeN16v_expf(__m512); /* glibc libmvec: 16 expf at once */
+
+static inline vf16 vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf16 vf_set1(float x) { return _mm512_set1_ps(x); }
+static inline vf16 vf_add(vf16 a, vf16 b) { return _mm512_add_ps(a, b); }
+static inline vf16 vf_sub(vf16 a, vf16 b) { return _mm512_sub_ps(a, b); }
+static inline vf16 vf_mul(vf16 a, vf16 b) { return _mm512_mul_ps(a, b); }
+static inline vf16 vf_div(vf16 a, vf16 b) { return _mm512_div_ps(a, b); }
+static inline vf16 vf_fmadd(vf16 a, vf16 b, vf16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf16 vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vf_store(float *p, vf16 v) { _mm512_storeu_ps(p, v); }
+static inline float vf_sum(vf16 v) { return _mm512_reduce_add_ps(v); }
+static inline float vf_max(vf16 v) { return _mm512_reduce_max_ps(v); }
+static inline vf16 vf_exp(vf16 v) { return _ZGVeN16v_expf(v); }
+/* the first `count` lanes of v, `fill` in the others */
+static inline vf16 vf_first(vf16 v, int count, float fill) {
+    return _mm512_mask_mov_ps(_mm512_set1_ps(fill), (__mmask16)((1u << count) - 1), v);
+}
+
+static inline vf16 widen_bf16x16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* 16 fp32 -> 16 bf16, rounded to nearest even (NaN kept, quiet), as torch does. */
-static inline __m256i bf16x16_from(__m512 v) {
+static inline __m256i bf16x16_from(vf16 v) {
     __m512i bits = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
@@ -46,17 +70,9 @@ static inline __m256i bf16x16_from(__m512 v) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
-static inline __m512 widen_bf16x16(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-static inline long chunk_offset(const int32_t *table, int position, int block_size, int dim) {
-    return ((long)table[position / block_size] * block_size + position % block_size) * dim;
-}
-
 /* The 16 horizontal sums of d[0..15] as one vector (lane t: the sum of d[t]'s lanes), by a
    tree of interleaving adds: 45 instructions where 16 separate reductions take ~130. */
-static inline __m512 sum16(const __m512 *d) {
+static inline vf16 sum16(const vf16 *d) {
     __m512 pairs[8], quads[4];
     for (int i = 0; i < 8; i++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
         pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]),
@@ -74,6 +90,113 @@ static inline __m512 sum16(const __m512 *d) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88),
                          _mm512_shuffle_f32x4(low, high, 0xdd));
 }
+#else
+typedef struct {
+    __m256 lo, hi;
+} vf16;
+__m256 _ZGVdN8v_expf(__m256); /* glibc libmvec: 8 expf at once */
+
+static inline vf16 vf_pair(__m256 lo, __m256 hi) {
+    vf16 v = {lo, hi};
+    return v;
+}
+static inline vf16 vf_zero(void) { return vf_pair(_mm256_setzero_ps(), _mm256_setzero_ps()); }
+static inline vf16 vf_set1(float x) { return vf_pair(_mm256_set1_ps(x), _mm256_set1_ps(x)); }
+static inline vf16 vf_add(vf16 a, vf16 b) {
+    return vf_pair(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi));
+}
+static inline vf16 vf_sub(vf16 a, vf16 b) {
+    return vf_pair(_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi));
+}
+static inline vf16 vf_mul(vf16 a, vf16 b) {
+    return vf_pair(_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi));
+}
+static inline vf16 vf_div(vf16 a, vf16 b) {
+    return vf_pair(_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi));
+}
+static inline vf16 vf_fmadd(vf16 a, vf16 b, vf16 c) {
+    return vf_pair(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
+}
+static inline vf16 vf_load(const float *p) {
+    return vf_pair(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
+}
+static inline void vf_store(float *p, vf16 v) {
+    _mm256_storeu_ps(p, v.lo);
+    _mm256_storeu_ps(p + 8, v.hi);
+}
+static inline float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+static inline float vf_sum(vf16 v) { return hsum8(_mm256_add_ps(v.lo, v.hi)); }
+static inline float vf_max(vf16 v) {
+    const __m256 m = _mm256_max_ps(v.lo, v.hi);
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+static inline vf16 vf_exp(vf16 v) { return vf_pair(_ZGVdN8v_expf(v.lo), _ZGVdN8v_expf(v.hi)); }
+static inline vf16 vf_first(vf16 v, int count, float fill) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), n = _mm256_set1_epi32(count);
+    const __m256 low = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n, lanes));
+    const __m256 high = _mm256_castsi256_ps(
+        _mm256_cmpgt_epi32(n, _mm256_add_epi32(lanes, _mm256_set1_epi32(8))));
+    const __m256 f = _mm256_set1_ps(fill);
+    return vf_pair(_mm256_blendv_ps(f, v.lo, low), _mm256_blendv_ps(f, v.hi, high));
+}
+
+static inline __m256 widen_bf16x8(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline vf16 widen_bf16x16(__m256i h) {
+    return vf_pair(widen_bf16x8(_mm256_castsi256_si128(h)),
+                   widen_bf16x8(_mm256_extracti128_si256(h, 1)));
+}
+
+/* 8 fp32 -> their bf16 bits in the low half of each 32-bit lane, rounded as torch does */
+static inline __m256i bf16_bits8(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded =
+        _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
+}
+static inline __m256i bf16x16_from(vf16 v) {
+    /* packus works per 128-bit lane: [lo 0-3, hi 0-3, lo 4-7, hi 4-7], then reordered */
+    const __m256i packed = _mm256_packus_epi32(bf16_bits8(v.lo), bf16_bits8(v.hi));
+    return _mm256_permute4x64_epi64(packed, 0xd8);
+}
+
+/* lane t: the sum of d[t]'s 8 lanes, for 8 vectors, by a tree of horizontal adds */
+static inline __m256 sum8(const __m256 *d) {
+    const __m256 a = _mm256_hadd_ps(d[0], d[1]), b = _mm256_hadd_ps(d[2], d[3]);
+    const __m256 c = _mm256_hadd_ps(d[4], d[5]), e = _mm256_hadd_ps(d[6], d[7]);
+    const __m256 low = _mm256_hadd_ps(a, b), high = _mm256_hadd_ps(c, e);
+    /* low: [d0..d3 halves' sums of lanes 0-3 | of lanes 4-7], high: the same for d4..d7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                         _mm256_permute2f128_ps(low, high, 0x31));
+}
+static inline vf16 sum16(const vf16 *d) {
+    __m256 halves[16];
+    for (int t = 0; t < 16; t++) halves[t] = _mm256_add_ps(d[t].lo, d[t].hi);
+    return vf_pair(sum8(halves), sum8(halves + 8));
+}
+#endif
+
+static inline vf16 load_bf16x16(const uint16_t *p) {
+    return widen_bf16x16(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline void store_bf16x16(uint16_t *p, vf16 v) {
+    _mm256_storeu_si256((__m256i *)p, bf16x16_from(v));
+}
+static inline vf16 round_bf16x16(vf16 v) { return widen_bf16x16(bf16x16_from(v)); }
+
+static inline long chunk_offset(const int32_t *table, int position, int block_size, int dim) {
+    return ((long)table[position / block_size] * block_size + position % block_size) * dim;
+}
 
 /* With avx512_bf16 and dim a multiple of 32, both products run on vdpbf16ps straight from
    the bf16 cache, with no widening of K and V to fp32: the scores (bf16 q . bf16 k, exact
@@ -90,7 +213,7 @@ static inline __attribute__((always_inline)) void attend(
     const uint16_t *q, const uint16_t *keys, const uint16_t *values, const int32_t *table,
     int length, uint16_t *out, int group, int chunks, int block_size, float scale) {
     const int dim = 16 * chunks, paired = DOT_BF16 && chunks % 2 == 0;
-    __m512 query[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS];
+    vf16 query[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS];
     float running_max[MAX_GROUP], running_sum[MAX_GROUP];
 #if DOT_BF16
     __m512bh query_pairs[MAX_GROUP][MAX_CHUNKS / 2];
@@ -98,8 +221,8 @@ static inline __attribute__((always_inline)) void attend(
     for (int g = 0; g < group; g++) {
         for (int c = 0; c < chunks; c++) {
             if (!paired)
-                query[g][c] = _mm512_mul_ps(load_bf16x16(q + g * dim + 16 * c), _mm512_set1_ps(scale));
-            acc[g][c] = _mm512_setzero_ps();
+                query[g][c] = vf_mul(load_bf16x16(q + g * dim + 16 * c), vf_set1(scale));
+            acc[g][c] = vf_zero();
         }
 #if DOT_BF16
         if (paired)
@@ -129,7 +252,7 @@ static inline __attribute__((always_inline)) void attend(
         /* Each key's 16-lane partial dot products, summed 16 keys at a time by sum16: with
            the cache in L1 the kernel runs 10 % faster than with a horizontal sum per key;
            from DRAM, the scattered blocks' reads bound it either way (about 18 GB/s). */
-        __m512 dots[MAX_GROUP][16];
+        vf16 dots[MAX_GROUP][16];
         for (int t = 0; t < count; t++) {
 #if DOT_BF16
             if (paired) {
@@ -145,31 +268,28 @@ static inline __attribute__((always_inline)) void attend(
                 continue;
             }
 #endif
-            __m512 key[MAX_CHUNKS];
+            vf16 key[MAX_CHUNKS];
             for (int c = 0; c < chunks; c++) key[c] = load_bf16x16(keys + offset + t * dim + 16 * c);
             for (int g = 0; g < group; g++) {
-                __m512 dot = _mm512_mul_ps(query[g][0], key[0]);
-                for (int c = 1; c < chunks; c++) dot = _mm512_fmadd_ps(query[g][c], key[c], dot);
+                vf16 dot = vf_mul(query[g][0], key[0]);
+                for (int c = 1; c < chunks; c++) dot = vf_fmadd(query[g][c], key[c], dot);
                 dots[g][t] = dot;
             }
         }
         for (int t = count; t < 16; t++)
-            for (int g = 0; g < group; g++) dots[g][t] = _mm512_setzero_ps();
+            for (int g = 0; g < group; g++) dots[g][t] = vf_zero();
         float scores[MAX_GROUP][16];
-        const __mmask16 valid = (__mmask16)((1u << count) - 1);
         for (int g = 0; g < group; g++) {
-            const __m512 sums = paired ? _mm512_mul_ps(sum16(dots[g]), _mm512_set1_ps(scale))
-                                       : sum16(dots[g]);
-            const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sums);
-            const float new_max = fmaxf(running_max[g], _mm512_reduce_max_ps(s));
+            const vf16 sums = paired ? vf_mul(sum16(dots[g]), vf_set1(scale)) : sum16(dots[g]);
+            const vf16 s = vf_first(sums, count, -INFINITY);
+            const float new_max = fmaxf(running_max[g], vf_max(s));
             const float correction = expf(running_max[g] - new_max); /* 0 on the first chunk */
             running_max[g] = new_max;
-            const __m512 p = _mm512_maskz_mov_ps(
-                valid, _ZGVeN16v_expf(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
-            running_sum[g] = running_sum[g] * correction + _mm512_reduce_add_ps(p);
-            _mm512_storeu_ps(scores[g], p);
-            const __m512 factor = _mm512_set1_ps(correction);
-            for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], factor);
+            const vf16 p = vf_first(vf_exp(vf_sub(s, vf_set1(new_max))), count, 0.f);
+            running_sum[g] = running_sum[g] * correction + vf_sum(p);
+            vf_store(scores[g], p);
+            const vf16 factor = vf_set1(correction);
+            for (int c = 0; c < chunks; c++) acc[g][c] = vf_mul(acc[g][c], factor);
         }
 #if DOT_BF16
         if (paired) {
@@ -200,29 +320,33 @@ static inline __attribute__((always_inline)) void attend(
         }
 #endif
         for (int t = 0; t < count; t++) {
-            __m512 value[MAX_CHUNKS];
+            vf16 value[MAX_CHUNKS];
             for (int c = 0; c < chunks; c++) value[c] = load_bf16x16(values + offset + t * dim + 16 * c);
             for (int g = 0; g < group; g++) {
-                const __m512 p = _mm512_set1_ps(scores[g][t]);
-                for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_fmadd_ps(p, value[c], acc[g][c]);
+                const vf16 p = vf_set1(scores[g][t]);
+                for (int c = 0; c < chunks; c++) acc[g][c] = vf_fmadd(p, value[c], acc[g][c]);
             }
         }
         position = next;
     }
+#if DOT_BF16
     /* paired: per 32 dims, lane 4L + i of the low accumulator holds dim 8L + i, of the
        high one dim 8L + 4 + i */
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+#endif
     for (int g = 0; g < group; g++) {
         float row[16 * MAX_CHUNKS];
-        const __m512 inverse = _mm512_set1_ps(1.f / running_sum[g]);
+        const vf16 inverse = vf_set1(1.f / running_sum[g]);
         for (int c = 0; c < chunks; c++) {
-            __m512 v = acc[g][c];
+            vf16 v = acc[g][c];
+#if DOT_BF16
             if (paired) {
                 const __m512 low = acc[g][c & ~1], high = acc[g][c | 1];
                 v = _mm512_permutex2var_ps(low, c & 1 ? second : first, high);
             }
-            _mm512_storeu_ps(row + 16 * c, _mm512_mul_ps(v, inverse));
+#endif
+            vf_store(row + 16 * c, vf_mul(v, inverse));
         }
         for (int d = 0; d < dim; d++) out[g * dim + d] = bf16_from_float(row[d]);
     }
@@ -267,21 +391,20 @@ void decode_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *cac
    passes and three fp32 copies for this. Rows are [dim] with dim a multiple of 16. */
 static void add_rms_norm_row(const uint16_t *x, uint16_t *residual, const uint16_t *weight,
                              uint16_t *out, int dim, float eps) {
-    __m512 squares = _mm512_setzero_ps();
+    vf16 squares = vf_zero();
     for (int i = 0; i < dim; i += 16) {
-        __m512 v = load_bf16x16(residual + i);
+        vf16 v = load_bf16x16(residual + i);
         if (x) {
-            __m256i sum = bf16x16_from(_mm512_add_ps(v, load_bf16x16(x + i)));
+            __m256i sum = bf16x16_from(vf_add(v, load_bf16x16(x + i)));
             _mm256_storeu_si256((__m256i *)(residual + i), sum);
             v = widen_bf16x16(sum);
         }
-        squares = _mm512_fmadd_ps(v, v, squares);
+        squares = vf_fmadd(v, v, squares);
     }
-    const __m512 inverse = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / dim + eps));
+    const vf16 inverse = vf_set1(1.0f / sqrtf(vf_sum(squares) / dim + eps));
     for (int i = 0; i < dim; i += 16) {
-        __m512 normed = widen_bf16x16(bf16x16_from(_mm512_mul_ps(load_bf16x16(residual + i), inverse)));
-        __m256i y = bf16x16_from(_mm512_mul_ps(normed, load_bf16x16(weight + i)));
-        _mm256_storeu_si256((__m256i *)(out + i), y);
+        vf16 normed = round_bf16x16(vf_mul(load_bf16x16(residual + i), inverse));
+        store_bf16x16(out + i, vf_mul(normed, load_bf16x16(weight + i)));
     }
 }
 
@@ -295,8 +418,6 @@ void add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *we
                          out + (long)row * dim, dim, eps);
 }
 
-static inline __m512 round_bf16x16(__m512 v) { return widen_bf16x16(bf16x16_from(v)); }
-
 /* Rotary embedding of q and k in place, in HF's bf16 order (each product and the sum
    rounded to bf16, as torch's bf16 ops do): x = x * cos + roll(x, dim / 2) * signed_sin,
    then k and v written to their slots of the cache. qkv: [tokens, qkv_stride] rows of
@@ -306,20 +427,19 @@ static inline __m512 round_bf16x16(__m512 v) { return widen_bf16x16(bf16x16_from
 static void rotary_row(uint16_t *row, const uint16_t *cos, const uint16_t *signed_sin,
                        long slot, uint16_t *cache, long slots, int heads, int kv_heads, int dim) {
     const int chunks = dim / 16, half = chunks / 2;
-    __m512 c[MAX_CHUNKS], s[MAX_CHUNKS];
+    vf16 c[MAX_CHUNKS], s[MAX_CHUNKS];
     for (int i = 0; i < chunks; i++) {
         c[i] = load_bf16x16(cos + 16 * i);
         s[i] = load_bf16x16(signed_sin + 16 * i);
     }
     for (int head = 0; head < heads + kv_heads; head++) {
         uint16_t *x = row + (long)head * dim;
-        __m512 v[MAX_CHUNKS];
+        vf16 v[MAX_CHUNKS];
         for (int i = 0; i < chunks; i++) v[i] = load_bf16x16(x + 16 * i);
         for (int i = 0; i < chunks; i++) {
-            __m512 straight = round_bf16x16(_mm512_mul_ps(v[i], c[i]));
-            __m512 rolled = round_bf16x16(_mm512_mul_ps(v[(i + half) % chunks], s[i]));
-            _mm256_storeu_si256((__m256i *)(x + 16 * i),
-                                bf16x16_from(_mm512_add_ps(straight, rolled)));
+            vf16 straight = round_bf16x16(vf_mul(v[i], c[i]));
+            vf16 rolled = round_bf16x16(vf_mul(v[(i + half) % chunks], s[i]));
+            store_bf16x16(x + 16 * i, vf_add(straight, rolled));
         }
     }
     for (int plane = 0; plane < 2 * kv_heads; plane++)
@@ -344,11 +464,10 @@ void rotary_cache_write_bf16(uint16_t *qkv, long qkv_stride, const uint16_t *cos
 static void silu_mul_row(const uint16_t *gate, uint16_t *target, int width) {
     const uint16_t *up = gate + width;
     for (int i = 0; i < width; i += 16) {
-        __m512 g = load_bf16x16(gate + i);
-        __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        __m512 silu = round_bf16x16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-        _mm256_storeu_si256((__m256i *)(target + i),
-                            bf16x16_from(_mm512_mul_ps(silu, load_bf16x16(up + i))));
+        vf16 g = load_bf16x16(gate + i);
+        vf16 e = vf_exp(vf_sub(vf_zero(), g));
+        vf16 silu = round_bf16x16(vf_div(g, vf_add(vf_set1(1.0f), e)));
+        store_bf16x16(target + i, vf_mul(silu, load_bf16x16(up + i)));
     }
 }
 
@@ -358,7 +477,6 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int width, 
         silu_mul_row(gate_up + (long)row * 2 * width, out + (long)row * width, width);
 }
 
-#if defined(__AVX512BF16__)
 /* ---- The decode step for a few rows: every layer in one call ------------------------------
 
    At one to four rows a decode step reads every weight once and computes little: it is
@@ -367,29 +485,71 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int width, 
    pack_rows in decode_attention.py), the hardware prefetcher's best case: about 0.9 of the
    machine's read bandwidth where oneDNN's packed matmul reaches 0.6 at one row. The whole
    step runs in one OpenMP team; each stage splits its work with an orphaned `omp for`,
-   whose barrier orders the stages. Rounding to bf16 happens where the PyTorch path rounds. */
+   whose barrier orders the stages. Rounding to bf16 happens where the PyTorch path rounds.
+   With avx512_bf16 the products run on vdpbf16ps; elsewhere the weights are widened to fp32
+   (a shift) and multiplied by fused multiply-adds: the same exact products, summed in fp32. */
 
 #define LINEAR_TILE 16  /* output rows per packed tile */
-#define LINEAR_DEPTH 32 /* inputs per vdpbf16ps */
+#define LINEAR_DEPTH 32 /* inputs per step: one vdpbf16ps, or a 64-byte line of a row */
 /* Prefetch into L2 this far ahead (36 KB): about 7 % more read bandwidth than the hardware
    prefetcher alone (measured: 28 -> 30 GB/s on 2 AMD EPYC cores; torch's sum reads 33). */
 #define LINEAR_PREFETCH (18 * 1024)
 
-/* The 16 outputs of tile `tile` for input row x: 16 fp32 dot products over `in` values. */
-static inline __m512 linear_tile(const uint16_t *x, const uint16_t *packed, int in, int tile) {
+/* The 16 outputs of tile `tile` for input row x: 16 fp32 dot products over `in` values. A
+   prefetch never faults: past the weight's end it is only wasted. */
+#if DOT_BF16
+static inline vf16 linear_tile(const uint16_t *x, const uint16_t *packed, int in, int tile) {
     __m512 acc[LINEAR_TILE];
     for (int j = 0; j < LINEAR_TILE; j++) acc[j] = _mm512_setzero_ps();
     const uint16_t *block = packed + (long)tile * LINEAR_TILE * in;
     for (int k = 0; k < in; k += LINEAR_DEPTH, block += LINEAR_TILE * LINEAR_DEPTH) {
         const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
         for (int j = 0; j < LINEAR_TILE; j++) {
-            /* a prefetch never faults: past the weight's end it is only wasted */
             _mm_prefetch((const char *)(block + LINEAR_PREFETCH + j * 32), _MM_HINT_T1);
             acc[j] = _mm512_dpbf16_ps(acc[j], xv, (__m512bh)_mm512_loadu_si512(block + j * 32));
         }
     }
     return sum16(acc);
 }
+#elif defined(__AVX512F__)
+static inline vf16 linear_tile(const uint16_t *x, const uint16_t *packed, int in, int tile) {
+    vf16 acc[LINEAR_TILE];
+    for (int j = 0; j < LINEAR_TILE; j++) acc[j] = vf_zero();
+    const uint16_t *block = packed + (long)tile * LINEAR_TILE * in;
+    for (int k = 0; k < in; k += LINEAR_DEPTH, block += LINEAR_TILE * LINEAR_DEPTH) {
+        const vf16 low = load_bf16x16(x + k), high = load_bf16x16(x + k + 16);
+        for (int j = 0; j < LINEAR_TILE; j++) {
+            _mm_prefetch((const char *)(block + LINEAR_PREFETCH + j * 32), _MM_HINT_T1);
+            acc[j] = vf_fmadd(load_bf16x16(block + j * 32), low, acc[j]);
+            acc[j] = vf_fmadd(load_bf16x16(block + j * 32 + 16), high, acc[j]);
+        }
+    }
+    return sum16(acc);
+}
+#else
+/* AVX2: one 8-lane accumulator per output row, so that the 16 of them and the input's 32
+   values nearly fit the 16 registers; each row's 32 weights are four widening loads. */
+static inline __m256 load_bf16x8(const uint16_t *p) {
+    return widen_bf16x8(_mm_loadu_si128((const __m128i *)p));
+}
+static inline vf16 linear_tile(const uint16_t *x, const uint16_t *packed, int in, int tile) {
+    __m256 acc[LINEAR_TILE];
+    for (int j = 0; j < LINEAR_TILE; j++) acc[j] = _mm256_setzero_ps();
+    const uint16_t *block = packed + (long)tile * LINEAR_TILE * in;
+    for (int k = 0; k < in; k += LINEAR_DEPTH, block += LINEAR_TILE * LINEAR_DEPTH) {
+        __m256 xv[4];
+        for (int i = 0; i < 4; i++) xv[i] = load_bf16x8(x + k + 8 * i);
+        for (int j = 0; j < LINEAR_TILE; j++) {
+            _mm_prefetch((const char *)(block + LINEAR_PREFETCH + j * 32), _MM_HINT_T1);
+            const uint16_t *w = block + j * 32;
+            __m256 dot = _mm256_mul_ps(load_bf16x8(w), xv[0]);
+            for (int i = 1; i < 4; i++) dot = _mm256_fmadd_ps(load_bf16x8(w + 8 * i), xv[i], dot);
+            acc[j] = _mm256_add_ps(acc[j], dot);
+        }
+    }
+    return vf_pair(sum8(acc), sum8(acc + 8));
+}
+#endif
 
 /* y[rows, out] = x[rows, in] @ W.T, W packed (its rows padded to whole tiles); y in bf16,
    or (y32) bf16-rounded fp32 as the vocabulary projection's `.float()` gives. A tile's
@@ -399,15 +559,18 @@ static void linear_rows(const uint16_t *x, const uint16_t *packed, uint16_t *y, 
     const int tiles = (out + LINEAR_TILE - 1) / LINEAR_TILE;
 #pragma omp for schedule(static)
     for (int tile = 0; tile < tiles; tile++) {
-        const int left = out - tile * LINEAR_TILE;
-        const __mmask16 keep = left >= LINEAR_TILE ? 0xffff : (__mmask16)((1u << left) - 1);
+        const int left = out - tile * LINEAR_TILE, whole = left >= LINEAR_TILE;
         for (int row = 0; row < rows; row++) {
             const __m256i sums = bf16x16_from(linear_tile(x + (long)row * in, packed, in, tile));
             const long at = (long)row * out + (long)tile * LINEAR_TILE;
-            if (y32)
-                _mm512_mask_storeu_ps(y32 + at, keep, widen_bf16x16(sums));
+            float wide[LINEAR_TILE];
+            uint16_t narrow[LINEAR_TILE];
+            if (y32) /* the last tile's padding rows are not stored */
+                vf_store(whole ? y32 + at : wide, widen_bf16x16(sums));
             else
-                _mm256_mask_storeu_epi16(y + at, keep, sums);
+                _mm256_storeu_si256((__m256i *)(whole ? y + at : narrow), sums);
+            if (!whole && y32) memcpy(y32 + at, wide, (size_t)left * sizeof(float));
+            if (!whole && !y32) memcpy(y + at, narrow, (size_t)left * sizeof(uint16_t));
         }
     }
 }
@@ -486,4 +649,3 @@ int decode_step_bf16(const step_shape *m, const uint16_t *const *weights, uint16
     free(scratch);
     return 0;
 }
-#endif

@@ -6,7 +6,9 @@ writes a copy, the scores read the copy), V once more (embedding_bag), and rows 
 padded to their group's longest; the kernel walks each row's own blocks once. It is
 built with the system C compiler at first use (about a second) into a cache folder
 keyed by the source, the flags and the CPU, and is absent (None) where that fails:
-no compiler, no AVX-512, not Linux on x86. Callers then keep the PyTorch path.
+no compiler, no AVX2 and FMA, not Linux on x86. Callers then keep the PyTorch path.
+With AVX-512 the kernels compute 16 lanes per instruction (and, with avx512_bf16, the
+products on vdpbf16ps); with AVX2 the same code runs on pairs of 8-lane registers.
 
 The add + RMSNorm follows HF's order of operations for bf16 (normalise in fp32, round,
 then scale by the weight), where PyTorch's `F.rms_norm` rounds once: it is closer to HF
@@ -64,8 +66,9 @@ def build() -> Path | None:
     if compiler is None or platform.system() != "Linux" or platform.machine() != "x86_64":
         logger.info("fused decode attention off: no C compiler, or not Linux on x86-64")
         return None
-    if "avx512f" not in cpu_flags():
-        logger.info("fused decode attention off: the CPU has no AVX-512")
+    flags = cpu_flags().split()
+    if "avx2" not in flags or "fma" not in flags:
+        logger.info("fused decode attention off: the CPU has no AVX2 and FMA")
         return None
     key = hashlib.sha256(
         SOURCE.read_bytes() + " ".join(FLAGS + LIBRARIES).encode() + cpu_flags().encode()
@@ -134,6 +137,8 @@ class DecodeAttentionKernel:
         rows, heads, dim = q.shape
         planes, num_blocks, block_size, _ = cache.shape
         kv_heads = planes // 2
+        if q.dtype != torch.bfloat16 or cache.dtype != torch.bfloat16:
+            raise ValueError("decode attention needs bf16 q and cache")
         if q.stride(2) != 1 or q.stride(1) != dim or not cache.is_contiguous():
             raise ValueError("decode attention needs q's heads and dim contiguous, a dense cache")
         if not (block_table.is_contiguous() and lengths.is_contiguous()):
@@ -471,7 +476,7 @@ def load_silu_mul() -> SiluMulKernel | None:
 
 
 def has_decode_step() -> bool:
-    """Whether the library has the few-row kernels (they need avx512_bf16)."""
+    """Whether the library has the few-row kernels."""
     lib = library()
     return lib is not None and hasattr(lib, "decode_step_bf16")
 

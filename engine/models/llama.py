@@ -2,10 +2,11 @@
 
 All sequences of a step are flattened into one token axis so every matmul sees the
 whole batch. Only attention is per sequence: where the fused bf16 kernel
-(decode_attention.c) is available, every token of the step is one of its rows, with its
-own blocks and length (a prefill chunk's tokens causal by their lengths); else
-single-token rows (decodes) run in groups of similar length against K gathered from the
-paged cache and V summed straight from it, and prefill chunks run one SDPA each.
+(decode_attention.c) is available, every decode row is one of its rows, with its own
+blocks and length, and with bf16 compute so is every token of a prefill chunk (causal by
+their lengths); else single-token rows (decodes) run in groups of similar length against
+K gathered from the paged cache and V summed straight from it. Prefill chunks the kernel
+does not take run one SDPA each.
 """
 
 from __future__ import annotations
@@ -158,7 +159,10 @@ class LlamaAttention(nn.Module):
         if table is not None:
             assert self.decode_kernel is not None
             rows = q[: table.lengths.shape[0]]
-            parts = [self.decode_kernel(rows, cache, table.block_table, table.lengths, self.scale)]
+            if rows.dtype != torch.bfloat16:  # fp32 compute: q rounded for the bf16 cache
+                rows = rows.to(torch.bfloat16)
+            out = self.decode_kernel(rows, cache, table.block_table, table.lengths, self.scale)
+            parts = [out.to(q.dtype)]
         else:
             parts = [self._decode(q[g.start : g.end], cache, g) for g in meta.decode_groups]
         for chunk in meta.prefills:
@@ -248,6 +252,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.compute_dtype = compute_dtype
+        self.storage = storage
 
         def take(name: str) -> torch.Tensor:
             return weights.pop(name).to(device)
@@ -295,24 +300,36 @@ class LlamaModel(nn.Module):
 
     def set_kernels(self, enabled: bool) -> None:
         """Use the bf16 CPU kernels (decode_attention.c) where they build and fit the model's
-        shapes, else PyTorch ops: bf16 compute on a CPU only (fp32 keeps HF's exact order)."""
+        shapes, else PyTorch ops. float32 weights keep HF's exact order in PyTorch ops.
+
+        - bf16 compute (CPUs with native bf16 dot products): every kernel; every token of
+          a step, prefill chunks too, attends through the decode attention kernel.
+        - fp32 compute on bf16 or int8 weights (CPUs without): the KV cache is bf16, so
+          decode rows attend through the kernel (q rounded to bf16 for it), while prefill
+          chunks keep the CPU flash SDPA, faster there than the kernel's per-key products.
+        - Either way, with bf16 weights, decode-only steps of a few rows run whole in the
+          step kernel, in bf16 as the bf16 compute path rounds.
+        """
         config = self.config
-        usable = enabled and self.device_type == "cpu" and self.compute_dtype == torch.bfloat16
+        cpu = enabled and self.device_type == "cpu"
+        usable = cpu and self.compute_dtype == torch.bfloat16
         fits = decode_attention.supports(config.num_heads, config.num_kv_heads, config.head_dim)
-        self.decode_kernel = decode_attention.load() if usable and fits else None
-        fits = config.hidden_size % 16 == 0
-        self.norm_kernel = decode_attention.load_add_rms_norm() if usable and fits else None
-        fits = config.head_dim % 32 == 0 and config.head_dim <= decode_attention.MAX_HEAD_DIM
-        rotary = decode_attention.load_rotary_cache_write() if usable and fits else None
-        fits = config.intermediate_size % 16 == 0
-        silu_mul = decode_attention.load_silu_mul() if usable and fits else None
+        bf16_cache = cpu and self.storage != "float32"
+        self.decode_kernel = decode_attention.load() if bf16_cache and fits else None
+        self.kernel_prefill = usable
+        norm_fits = config.hidden_size % 16 == 0
+        self.norm_kernel = decode_attention.load_add_rms_norm() if usable and norm_fits else None
+        rotary_fits = config.head_dim % 32 == 0 and config.head_dim <= decode_attention.MAX_HEAD_DIM
+        rotary = decode_attention.load_rotary_cache_write() if usable and rotary_fits else None
+        silu_fits = config.intermediate_size % 16 == 0
+        silu_mul = decode_attention.load_silu_mul() if usable and silu_fits else None
         for layer in self.layer_list:
             layer.attention.decode_kernel = self.decode_kernel
             layer.attention.rotary_kernel = rotary
             layer.mlp.silu_mul_kernel = silu_mul
-        kernels = (self.norm_kernel, rotary, silu_mul, self.decode_kernel)
-        every = all(kernel is not None for kernel in kernels)
-        self.step_kernel = self._decode_step_kernel() if every else None
+        step_fits = self.decode_kernel is not None and norm_fits and rotary_fits and silu_fits
+        usable = cpu and self.storage == "bfloat16" and step_fits
+        self.step_kernel = self._decode_step_kernel() if usable else None
 
     def _decode_step_kernel(self) -> decode_attention.DecodeStepKernel | None:
         """The whole-step kernel for decode steps of a few rows, with the matrices packed
@@ -330,12 +347,16 @@ class LlamaModel(nn.Module):
         if not (shapes_fit and decode_attention.has_decode_step()):
             return None
         pack = decode_attention.pack_rows
+
+        def bf16(tensor: torch.Tensor) -> torch.Tensor:  # norms are kept in the compute dtype
+            return tensor.detach().to(torch.bfloat16)
+
         layers = [
             decode_attention.StepLayer(
-                input_norm=layer.input_norm.weight.detach(),
+                input_norm=bf16(layer.input_norm.weight),
                 qkv=pack(layer.attention.qkv.weight.detach()),
                 output=pack(layer.attention.output.weight.detach()),
-                post_norm=layer.post_attention_norm.weight.detach(),
+                post_norm=bf16(layer.post_attention_norm.weight),
                 gate_up=pack(layer.mlp.gate_up.weight.detach()),
                 down=pack(layer.mlp.down.weight.detach()),
             )
@@ -353,7 +374,7 @@ class LlamaModel(nn.Module):
             scale=config.head_dim**-0.5,
         )
         head = pack(self.lm_head.weight.detach())
-        return decode_attention.load_decode_step(shape, layers, self.norm.weight.detach(), head)
+        return decode_attention.load_decode_step(shape, layers, bf16(self.norm.weight), head)
 
     def forward(
         self,
@@ -373,13 +394,15 @@ class LlamaModel(nn.Module):
             and meta.num_decode == rows <= decode_attention.STEP_MAX_ROWS
             and cache.kv.dtype == torch.bfloat16
         ):
-            # A few decode rows: the whole step in one kernel call; every row samples.
+            # A few decode rows: the whole step in one kernel call, in bf16 (the embedding
+            # rows of bf16 weights are exact in it); every row samples.
             assert logits_indices.shape[0] == rows
+            bf16 = torch.bfloat16
             return self.step_kernel(
-                hidden.contiguous(),
+                hidden.to(bf16).contiguous(),
                 cache.kv,
-                self.cos[positions],
-                self.signed_sin[positions],
+                self.cos[positions].to(bf16),
+                self.signed_sin[positions].to(bf16),
                 meta.slot_mapping,
                 table.block_table,
                 table.lengths,
