@@ -4,8 +4,9 @@ No Django middleware, URL resolver or database query runs per request: keys and 
 come from in-memory caches (caches.py), limits from one Redis script (ratelimit.py), and
 the response streams through from the agent as it arrives (pooled keep-alive
 connections, upstream.py). After the response, its requests-stream entry and token
-settlement are queued for a background writer (recorder.py), which sends whatever has
-gathered in one pipeline, or spools entries when Redis does not take them.
+settlement are queued; the admission, the entry and the settlement go to Redis with other
+requests' commands in one pipeline (recorder.py), and entries Redis does not take are
+spooled.
 
 `gateway_mount(django_app)` serves /v1/ here and everything else through Django.
 """
@@ -41,8 +42,8 @@ from controlplane.gateway.metering import (
     prompt_text,
     response_usage_and_text,
 )
-from controlplane.gateway.ratelimit import Admission, Headroom, RateLimiter
-from controlplane.gateway.recorder import KeyUses, RecordWriter, keys_touch
+from controlplane.gateway.ratelimit import Admission, Headroom
+from controlplane.gateway.recorder import KeyUses, RedisBatcher, keys_touch
 from controlplane.gateway.redis_client import redis_from_url
 from controlplane.gateway.selectors import KeyGrant
 from controlplane.gateway.services import INVALIDATE_CHANNEL
@@ -190,17 +191,16 @@ class Gateway:
             self.keys = KeyCache(ttl_s=settings.GATEWAY_KEY_CACHE_TTL_S)
             self.key_uses = KeyUses(interval_s=KEY_TOUCH_INTERVAL_S)
             self.routing = RoutingCache()
-            self.limiter = RateLimiter(self.redis)
             self.headroom = Headroom()
             self.spool = Spool(
                 settings.GATEWAY_SPOOL_DIR, max_bytes=settings.GATEWAY_SPOOL_MAX_BYTES
             )
-            self.writer = RecordWriter(self.redis, self.spool)
+            self.batcher = RedisBatcher(self.redis, self.spool)
             try:
                 await self.routing.refresh_all(self.redis)
             except (redis.RedisError, OSError) as exc:
                 logger.warning("routing tables unavailable at start", extra={"error": str(exc)})
-            self._writer_task = asyncio.create_task(self.writer.run())
+            self._batcher_task = asyncio.create_task(self.batcher.run())
             self._tasks = [
                 asyncio.create_task(self._listen()),
                 asyncio.create_task(self._refresh_periodically()),
@@ -217,10 +217,10 @@ class Gateway:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        # The writer finishes what is queued (or spools it) before the spool's last replay.
-        self.writer.close()
+        # The batcher finishes what is queued (or spools it) before the spool's last replay.
+        self.batcher.close()
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._writer_task, timeout=15)
+            await asyncio.wait_for(self._batcher_task, timeout=15)
         with contextlib.suppress(Exception):
             await self._touch_keys()
         with contextlib.suppress(Exception):
@@ -424,14 +424,15 @@ class Gateway:
 
     # Proxying.
 
-    async def _admit(self, grant: KeyGrant, estimate: int) -> Admission | None:
+    async def _admit(self, grant: KeyGrant, estimate: int, *, is_urgent: bool) -> Admission | None:
         """The request's admission; GatewayRequestError(429) when a limit refuses it."""
         try:
-            admission = await self.limiter.admit(
+            admission = await self.batcher.admit(
                 tenant_id=grant.tenant_id,
                 requests_per_minute=grant.requests_per_minute,
                 tokens_per_minute=grant.tokens_per_minute,
                 estimate=estimate,
+                is_urgent=is_urgent,
             )
         except (redis.RedisError, OSError) as exc:
             # Serving without limits beats refusing everyone while Redis is away.
@@ -482,8 +483,10 @@ class Gateway:
         # admission is awaited before anything goes to the client. Only tenants that were
         # far below their limits moments ago get this: for the others, and for whole
         # responses, the admission comes first, so refused requests never reach an agent.
-        admit = asyncio.ensure_future(self._admit(grant, estimate))
-        if not (is_stream and self.headroom.is_plenty(grant.tenant_id, time.monotonic())):
+        # An early admission rides with other requests' Redis commands (recorder.py).
+        is_early = is_stream and self.headroom.is_plenty(grant.tenant_id, time.monotonic())
+        admit = asyncio.ensure_future(self._admit(grant, estimate, is_urgent=not is_early))
+        if not is_early:
             await admit
 
         affinity_value = None
@@ -495,7 +498,7 @@ class Gateway:
         if version is None:
             admission = await admit
             if admission is not None and estimate:
-                self.writer.put(None, (grant.tenant_id, admission.window, -estimate))
+                self.batcher.put(None, (grant.tenant_id, admission.window, -estimate))
             raise GatewayRequestError(
                 503,
                 "no_ready_agent",
@@ -567,7 +570,7 @@ class Gateway:
         settlement = (
             (record.tenant_id, admission.window, delta) if admission is not None and delta else None
         )
-        self.writer.put(record.to_fields(), settlement)
+        self.batcher.put(record.to_fields(), settlement)
 
     def _record(
         self,
@@ -755,6 +758,10 @@ class Gateway:
                         return
                     if out:
                         await send({"type": "http.response.body", "body": out, "more_body": True})
+                        if meter.first_token_at is not None and not response.is_yielding:
+                            # Its first token is out: on an engine step that brings tokens
+                            # for many streams, those still waiting for one go first.
+                            response.is_yielding = True
             except UpstreamError as exc:
                 if outcome.is_complete:
                     return  # the client has its whole stream

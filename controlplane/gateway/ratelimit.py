@@ -3,9 +3,10 @@
 Fixed one-minute windows aligned to Redis's own clock (`TIME` inside the script), so
 every gateway process agrees on the window whatever its own clock says. One Lua script
 checks both counters and, only when both allow it, counts the request and reserves its
-estimated tokens: a refused request leaves no trace. After the response, `settle_into`
-replaces the estimate with the real token count in the same window (queued with the
-request's stream entry, so it costs no round trip of its own).
+estimated tokens: a refused request leaves no trace. After the response, a settlement
+replaces the estimate with the real token count in the same window. Both are sent by
+`recorder.RedisBatcher`, with other requests' commands in one pipeline, as EVALSHA of
+the scripts' hashes (it loads them again when Redis has lost them).
 
 Keys: `ratelimit:{<tenant_id>}:r:<window_start>` and `...:t:<window_start>` (the hash
 tag keeps one tenant's keys on one cluster slot); they expire two minutes after use.
@@ -16,13 +17,13 @@ admission is still on its way (see app.py), so the Redis round trip adds nothing
 time to first token.
 """
 
+import hashlib
 from dataclasses import dataclass
-
-import redis.asyncio as aioredis
+from typing import Any
 
 WINDOW_S = 60
 
-_ADMIT = """
+ADMIT_SCRIPT = """
 local now = tonumber(redis.call('TIME')[1])
 local window = now - (now % 60)
 local prefix = 'ratelimit:{' .. ARGV[1] .. '}:'
@@ -47,13 +48,16 @@ redis.call('EXPIRE', tokens_key, 120)
 return {1, 0, window, '', requests_used, tokens_used}
 """
 
-_SETTLE = """
+SETTLE_SCRIPT = """
 local key = 'ratelimit:{' .. ARGV[1] .. '}:t:' .. ARGV[2]
 if redis.call('EXISTS', key) == 1 then
   redis.call('INCRBY', key, tonumber(ARGV[3]))
 end
 return 1
 """
+
+_ADMIT_SHA = hashlib.sha1(ADMIT_SCRIPT.encode(), usedforsecurity=False).hexdigest()
+_SETTLE_SHA = hashlib.sha1(SETTLE_SCRIPT.encode(), usedforsecurity=False).hexdigest()
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,25 +70,31 @@ class Admission:
     tokens_used: int = 0
 
 
-class RateLimiter:
-    def __init__(self, client: aioredis.Redis) -> None:
-        self._admit = client.register_script(_ADMIT)
+def admission_command(
+    tenant_id: int, requests_per_minute: int, tokens_per_minute: int, estimate: int
+) -> tuple[Any, ...]:
+    """The admission as one Redis command (for a pipeline)."""
+    return (
+        "EVALSHA",
+        _ADMIT_SHA,
+        0,
+        tenant_id,
+        requests_per_minute,
+        tokens_per_minute,
+        max(0, estimate),
+    )
 
-    async def admit(
-        self, *, tenant_id: int, requests_per_minute: int, tokens_per_minute: int, estimate: int
-    ) -> Admission:
-        allowed, retry_after, window, limit, requests_used, tokens_used = await self._admit(
-            args=[tenant_id, requests_per_minute, tokens_per_minute, max(0, estimate)]
-        )
-        limit_name = limit.decode() if isinstance(limit, bytes) else str(limit)
-        return Admission(
-            bool(allowed),
-            max(1, int(retry_after)),
-            int(window),
-            limit_name,
-            int(requests_used),
-            int(tokens_used),
-        )
+
+def admission_from_reply(reply: list[Any]) -> Admission:
+    allowed, retry_after, window, limit, requests_used, tokens_used = reply
+    return Admission(
+        bool(allowed),
+        max(1, int(retry_after)),
+        int(window),
+        limit.decode() if isinstance(limit, bytes) else str(limit),
+        int(requests_used),
+        int(tokens_used),
+    )
 
 
 class Headroom:
@@ -124,10 +134,6 @@ class Headroom:
         return self._plenty_until.get(tenant_id, 0.0) > now
 
 
-def settle_into(pipe: aioredis.client.Pipeline, tenant_id: int, window: int, delta: int) -> None:
-    """Queue the correction of a window's token count by `delta` (actual minus estimate).
-
-    EVAL rather than EVALSHA: a pipeline cannot fall back on NOSCRIPT, and Redis caches
-    the compiled script by its hash anyway.
-    """
-    pipe.eval(_SETTLE, 0, tenant_id, window, delta)
+def settle_command(tenant_id: int, window: int, delta: int) -> tuple[Any, ...]:
+    """The correction of a window's token count by `delta` (actual minus estimate)."""
+    return ("EVALSHA", _SETTLE_SHA, 0, tenant_id, window, delta)

@@ -14,6 +14,14 @@ than uvicorn's five seconds, so the server never closes one under a new request)
 request whose reused connection turns out closed before any response byte is sent again
 once on a new connection. Closing a response early closes its connection: that is how
 a client disconnect reaches the agent.
+
+First tokens first: an engine ends a step with a token for each of its sequences at
+once, and the gateway relays them one after another. A response whose stream has had its
+first token can be marked `is_yielding`: its reader then wakes one turn of the event loop
+later than the readers of the other responses that got bytes in the same turn, so those
+still waiting for a first token are relayed ahead of those that already have one. The
+later ones wait for a few relays (tens of microseconds each) on such a step; the
+first-token wait, the figure a client notices most, loses its place in the queue.
 """
 
 import asyncio
@@ -50,6 +58,7 @@ class _Connection(asyncio.Protocol):
         self.is_paused = False
         self.idle_since = 0.0
         self.waiter: asyncio.Future[None] | None = None
+        self.is_yielding = False  # wake the reader a turn later (see the module's docstring)
         # One timer per connection, moved lazily: a wait only sets `deadline`, and the timer
         # (when it fires early) re-arms itself for it. A timer started and cancelled on
         # every wait cost more than the rest of handing on a streamed token.
@@ -64,7 +73,10 @@ class _Connection(asyncio.Protocol):
         if len(self.buffer) > PAUSE_READING_BYTES and not self.is_paused and self.transport:
             self.is_paused = True
             self.transport.pause_reading()
-        self._wake()
+        if self.is_yielding:
+            self.loop.call_soon(self._wake)
+        else:
+            self._wake()
 
     def eof_received(self) -> bool:
         self.is_closed = True
@@ -131,6 +143,7 @@ class UpstreamResponse:
         "_is_chunked",
         "_is_done",
         "_is_reusable",
+        "_is_yielding",
         "_key",
         "_pool",
         "_read_timeout_s",
@@ -161,6 +174,16 @@ class UpstreamResponse:
             self._is_chunked or length is not None
         )
         self._is_done = self._remaining == 0 or status in (204, 304)
+        self._is_yielding = False
+
+    @property
+    def is_yielding(self) -> bool:
+        """True: this response's bytes are handed on after those of responses that are not."""
+        return self._is_yielding
+
+    @is_yielding.setter
+    def is_yielding(self, value: bool) -> None:
+        self._is_yielding = self._connection.is_yielding = value
 
     async def _more(self) -> None:
         connection = self._connection
@@ -276,6 +299,7 @@ class UpstreamResponse:
         """Done with the response: the connection goes back to the pool only if it is clean."""
         connection = self._connection
         connection.stop_timer()
+        connection.is_yielding = False
         if (
             self._is_done
             and self._is_reusable

@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Callable
 
 import pytest
+import uvloop
 
 from controlplane.gateway.upstream import (
     UpstreamConnectError,
@@ -208,3 +209,49 @@ def test_closing_an_unfinished_response_closes_its_connection() -> None:
             assert server.connections == 2
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop])
+def test_a_yielding_response_is_handed_its_bytes_after_the_others(loop_factory) -> None:
+    """Bytes for two responses arrive in one turn: the one not yielding is read first."""
+    writers: list[asyncio.StreamWriter] = []
+    done = asyncio.Event()
+
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD + chunk(b"data: first\n\n"))
+        writers.append(writer)
+        await done.wait()
+
+    async def scenario() -> list[str]:
+        async with ScriptedServer([answer, answer]) as server:
+            upstream = pool()
+            first = await upstream.post(server.url, "/v1/chat/completions", b"{}", [])
+            second = await upstream.post(server.url, "/v1/chat/completions", b"{}", [])
+            assert await first.read_some() == await second.read_some() == b"data: first\n\n"
+            first.is_yielding = True  # had its first token
+            order: list[str] = []
+
+            async def read(name: str, response) -> None:
+                assert await response.read_some() == b"data: next\n\n"
+                order.append(name)
+
+            readers = [
+                asyncio.ensure_future(read("first", first)),
+                asyncio.ensure_future(read("second", second)),
+            ]
+            await asyncio.sleep(0.05)  # both readers wait
+            for writer in writers:  # one turn: the yielding response's bytes are sent first
+                writer.write(chunk(b"data: next\n\n") + b"0\r\n\r\n")
+            await asyncio.gather(*readers)
+            assert await first.read_some() == await second.read_some() == b""
+            first.close()
+            second.close()
+            done.set()
+            await upstream.aclose()
+            return order
+
+    loop = loop_factory()
+    try:
+        assert loop.run_until_complete(scenario()) == ["second", "first"]
+    finally:
+        loop.close()
