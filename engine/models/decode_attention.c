@@ -46,7 +46,6 @@ static inline vf16 vf_sub(vf16 a, vf16 b) { return _mm512_sub_ps(a, b); }
 static inline vf16 vf_mul(vf16 a, vf16 b) { return _mm512_mul_ps(a, b); }
 static inline vf16 vf_div(vf16 a, vf16 b) { return _mm512_div_ps(a, b); }
 static inline vf16 vf_fmadd(vf16 a, vf16 b, vf16 c) { return _mm512_fmadd_ps(a, b, c); }
-static inline vf16 vf_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline void vf_store(float *p, vf16 v) { _mm512_storeu_ps(p, v); }
 static inline float vf_sum(vf16 v) { return _mm512_reduce_add_ps(v); }
 static inline float vf_max(vf16 v) { return _mm512_reduce_max_ps(v); }
@@ -116,9 +115,6 @@ static inline vf16 vf_div(vf16 a, vf16 b) {
 }
 static inline vf16 vf_fmadd(vf16 a, vf16 b, vf16 c) {
     return vf_pair(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
-}
-static inline vf16 vf_load(const float *p) {
-    return vf_pair(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
 }
 static inline void vf_store(float *p, vf16 v) {
     _mm256_storeu_ps(p, v.lo);
