@@ -9,6 +9,8 @@ keyed by the source, the flags and the CPU, and is absent (None) where that fail
 no compiler, no AVX2 and FMA, not Linux on x86. Callers then keep the PyTorch path.
 With AVX-512 the kernels compute 16 lanes per instruction (and, with avx512_bf16, the
 products on vdpbf16ps); with AVX2 the same code runs on pairs of 8-lane registers.
+`FLEET_ENGINE_KERNEL_ARCH` (a GCC `-march` name, `native` by default) builds for an
+older CPU than this one: the tests run every code path this CPU can execute that way.
 
 The add + RMSNorm follows HF's order of operations for bf16 (normalise in fp32, round,
 then scale by the weight), where PyTorch's `F.rms_norm` rounds once: it is closer to HF
@@ -22,6 +24,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -34,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+ARCH_VARIABLE = "FLEET_ENGINE_KERNEL_ARCH"
 LIBRARIES = ["-lmvec"]  # glibc's vector expf
 MAX_GROUP = 16
 MAX_HEAD_DIM = 256
@@ -60,18 +64,27 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
+def target_arch() -> str:
+    """The `-march` the kernels are built for: `native` unless FLEET_ENGINE_KERNEL_ARCH says."""
+    arch = os.environ.get(ARCH_VARIABLE, "").strip() or "native"
+    if not re.fullmatch(r"[a-z][a-z0-9.-]{0,39}", arch):
+        raise ValueError(f"{ARCH_VARIABLE}={arch!r} is not a GCC -march name (like haswell)")
+    return arch
+
+
 def build() -> Path | None:
     """The compiled library, built now unless a cached one matches; None if it cannot be built."""
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     if compiler is None or platform.system() != "Linux" or platform.machine() != "x86_64":
         logger.info("fused decode attention off: no C compiler, or not Linux on x86-64")
         return None
-    flags = cpu_flags().split()
-    if "avx2" not in flags or "fma" not in flags:
+    cpu = cpu_flags().split()
+    if "avx2" not in cpu or "fma" not in cpu:
         logger.info("fused decode attention off: the CPU has no AVX2 and FMA")
         return None
+    flags = [*FLAGS, f"-march={target_arch()}"]
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(FLAGS + LIBRARIES).encode() + cpu_flags().encode()
+        SOURCE.read_bytes() + " ".join(flags + LIBRARIES).encode() + cpu_flags().encode()
     ).hexdigest()[:16]
     target = cache_folder() / f"decode_attention-{key}.so"
     if target.exists():
@@ -80,7 +93,7 @@ def build() -> Path | None:
     # Build under a temporary name and rename: engines starting together never load half a file.
     handle, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
-    command = [compiler, *FLAGS, "-o", temporary, str(SOURCE), *LIBRARIES]
+    command = [compiler, *flags, "-o", temporary, str(SOURCE), *LIBRARIES]
     try:
         subprocess.run(command, check=True, capture_output=True, timeout=120)
         os.replace(temporary, target)

@@ -236,10 +236,12 @@ def compare_steps(
             row_of = {id(seq): row for row, seq in enumerate(sampling)}
             logits.append(step_logits[[row_of[id(engine_seqs[i])] for i in sampled]])
         # bf16 rounding apart (the kernel sums in fp32, the groups round probs to bf16);
-        # a wrong block or mask would move logits by their own scale
+        # a wrong block or mask would move logits by their own scale. The worst logit of
+        # the tiny models lands 0.03 to 0.04 of the scale apart on every kernel target
+        # (0.036 on avx512_bf16, 0.040 on AVX-512F and AVX2 against bf16 PyTorch).
         scale = logits[1].abs().max().item()
         difference = (logits[0] - logits[1]).abs()
-        assert difference.max().item() <= 0.04 * scale
+        assert difference.max().item() <= 0.05 * scale
         assert difference.mean().item() <= 0.01 * scale
         # the same token wherever the reference's best two differ by more than the paths do
         # (bf16 logits tie now and then: a tie may fall either way)
