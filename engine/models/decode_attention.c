@@ -50,6 +50,11 @@ static inline void vf_store(float *p, vf16 v) { _mm512_storeu_ps(p, v); }
 static inline float vf_sum(vf16 v) { return _mm512_reduce_add_ps(v); }
 static inline float vf_max(vf16 v) { return _mm512_reduce_max_ps(v); }
 static inline vf16 vf_exp(vf16 v) { return _ZGVeN16v_expf(v); }
+static inline vf16 vf_floor_max(vf16 a, vf16 b) { return _mm512_max_ps(a, b); }
+static inline vf16 vf_round(vf16 v) {
+    return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline vf16 vf_scale2(vf16 v, vf16 n) { return _mm512_scalef_ps(v, n); } /* v * 2^n */
 /* the first `count` lanes of v, `fill` in the others */
 static inline vf16 vf_first(vf16 v, int count, float fill) {
     return _mm512_mask_mov_ps(_mm512_set1_ps(fill), (__mmask16)((1u << count) - 1), v);
@@ -133,6 +138,18 @@ static inline float vf_max(vf16 v) {
     return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
 }
 static inline vf16 vf_exp(vf16 v) { return vf_pair(_ZGVdN8v_expf(v.lo), _ZGVdN8v_expf(v.hi)); }
+static inline vf16 vf_floor_max(vf16 a, vf16 b) {
+    return vf_pair(_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi));
+}
+static inline vf16 vf_round(vf16 v) {
+    const int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    return vf_pair(_mm256_round_ps(v.lo, mode), _mm256_round_ps(v.hi, mode));
+}
+static inline __m256 scale2x8(__m256 v, __m256 n) { /* n in [-126, 127] */
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(v, _mm256_castsi256_ps(bits));
+}
+static inline vf16 vf_scale2(vf16 v, vf16 n) { return vf_pair(scale2x8(v.lo, n.lo), scale2x8(v.hi, n.hi)); }
 static inline vf16 vf_first(vf16 v, int count, float fill) {
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), n = _mm256_set1_epi32(count);
     const __m256 low = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n, lanes));
@@ -189,6 +206,24 @@ static inline void store_bf16x16(uint16_t *p, vf16 v) {
     _mm256_storeu_si256((__m256i *)p, bf16x16_from(v));
 }
 static inline vf16 round_bf16x16(vf16 v) { return widen_bf16x16(bf16x16_from(v)); }
+
+/* exp for the softmax, inline: a libmvec call inside the attention loop made the compiler
+   spill every accumulator around it. Cephes' expf polynomial (about 1 ulp in fp32); inputs
+   are at most 0 there, and below -87 (masked keys, the first chunk's -inf) give ~1e-38. */
+static inline vf16 vf_exp_inline(vf16 x) {
+    x = vf_floor_max(x, vf_set1(-87.f));
+    const vf16 n = vf_round(vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf16 r = vf_sub(x, vf_mul(n, vf_set1(0.693359375f)));
+    r = vf_add(r, vf_mul(n, vf_set1(2.12194440e-4f)));
+    vf16 poly = vf_set1(1.9875691500e-4f);
+    poly = vf_fmadd(poly, r, vf_set1(1.3981999507e-3f));
+    poly = vf_fmadd(poly, r, vf_set1(8.3334519073e-3f));
+    poly = vf_fmadd(poly, r, vf_set1(4.1665795894e-2f));
+    poly = vf_fmadd(poly, r, vf_set1(1.6666665459e-1f));
+    poly = vf_fmadd(poly, r, vf_set1(5.0000001201e-1f));
+    poly = vf_fmadd(poly, vf_mul(r, r), vf_add(r, vf_set1(1.f)));
+    return vf_scale2(poly, n);
+}
 
 static inline long chunk_offset(const int32_t *table, int position, int block_size, int dim) {
     return ((long)table[position / block_size] * block_size + position % block_size) * dim;
@@ -278,14 +313,16 @@ static inline __attribute__((always_inline)) void attend(
         for (int g = 0; g < group; g++) {
             const vf16 sums = paired ? vf_mul(sum16(dots[g]), vf_set1(scale)) : sum16(dots[g]);
             const vf16 s = vf_first(sums, count, -INFINITY);
-            const float new_max = fmaxf(running_max[g], vf_max(s));
-            const float correction = expf(running_max[g] - new_max); /* 0 on the first chunk */
-            running_max[g] = new_max;
-            const vf16 p = vf_first(vf_exp(vf_sub(s, vf_set1(new_max))), count, 0.f);
-            running_sum[g] = running_sum[g] * correction + vf_sum(p);
+            const float chunk_max = vf_max(s);
+            if (chunk_max > running_max[g]) { /* rescale what the earlier keys summed */
+                const vf16 factor = vf_exp_inline(vf_set1(running_max[g] - chunk_max));
+                running_sum[g] *= vf_sum(factor) * (1.f / 16); /* 0 on the first chunk */
+                for (int c = 0; c < chunks; c++) acc[g][c] = vf_mul(acc[g][c], factor);
+                running_max[g] = chunk_max;
+            }
+            const vf16 p = vf_first(vf_exp_inline(vf_sub(s, vf_set1(running_max[g]))), count, 0.f);
+            running_sum[g] += vf_sum(p);
             vf_store(scores[g], p);
-            const vf16 factor = vf_set1(correction);
-            for (int c = 0; c < chunks; c++) acc[g][c] = vf_mul(acc[g][c], factor);
         }
 #if DOT_BF16
         if (paired) {
@@ -359,12 +396,17 @@ static void attend_item(long item, const uint16_t *q, long q_stride, const uint1
     const int32_t *table = block_table + (long)row * width;
     uint16_t *target = out + ((long)row * kv_heads + head) * group * dim;
     const int length = lengths[row];
-    if (dim == 64)
-        attend(query, keys, values, table, length, target, group, 4, block_size, scale);
+    /* Constant shapes for the common ones, so that the accumulators live in registers. */
+#define ATTEND(G, C) attend(query, keys, values, table, length, target, G, C, block_size, scale)
+    if (dim == 64 && group == 3)
+        ATTEND(3, 4);
+    else if (dim == 64)
+        ATTEND(group, 4);
     else if (dim == 128)
-        attend(query, keys, values, table, length, target, group, 8, block_size, scale);
+        ATTEND(group, 8);
     else
-        attend(query, keys, values, table, length, target, group, dim / 16, block_size, scale);
+        ATTEND(group, dim / 16);
+#undef ATTEND
 }
 
 /* q: rows of q_stride elements, each [kv_heads * group, dim]; cache: one layer,
@@ -579,11 +621,182 @@ static void linear_rows(const uint16_t *x, const uint16_t *packed, uint16_t *y, 
     }
 }
 
-/* x: [rows, in], W packed from [out, in] (in % 32 == 0), y: [rows, out]. */
+/* ---- The same product on AMX tiles, for more rows than the decode step's few --------------
+
+   A packed weight block (16 outputs x 32 inputs) is AMX's A tile as it lies, so the tiles
+   compute y's transpose: C[16 outputs][16 rows] += W block . B, where B holds 16 rows' 32
+   inputs as 16 pairs of inputs by 16 rows (VNNI order), that is x's 16 x 32 block seen as
+   16 x 16 32-bit pairs and transposed. Each weight block is read once per 64 rows (four C
+   tiles); the C tiles are transposed back to y's rows on the way out. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ROWS 64 /* rows per pass over the weight: four C tiles */
+
+static int amx_enabled = 0;
+
+/* Linux hands out AMX's tile state only to a process that asks; 0 when it may use it. */
+int amx_enable(void) {
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    amx_enabled = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_enabled ? 0 : -1;
+}
+
+/* Tiles of 16 rows in the pass that starts at row `first`. */
+static inline int row_tiles(int first, int rows) {
+    const int count = rows - first < AMX_ROWS ? rows - first : AMX_ROWS;
+    return (count + 15) / 16;
+}
+
+typedef struct __attribute__((packed, aligned(64))) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* A 16 x 16 matrix of 32-bit values transposed in registers: pairs, quads, then 128-bit
+   lanes twice (64 shuffles instead of 256 scalar moves). */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
+        t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);
+        t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
+        t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+        r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);
+        r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xdd);
+    }
+}
+
+/* B tiles of x's rows [first, first + 64): per (row tile, input block) 16 x 16 pairs, rows
+   past the end zero. */
+static void amx_pack_rows(const uint16_t *x, uint32_t *b, int first, int rows, int in) {
+    const int blocks = in / LINEAR_DEPTH, tiles = row_tiles(first, rows);
+#pragma omp for schedule(static)
+    for (int item = 0; item < tiles * blocks; item++) {
+        const int tile = item / blocks, block = item % blocks;
+        __m512 r[16];
+        for (int i = 0; i < 16; i++) {
+            const int row = first + tile * 16 + i;
+            r[i] = row < rows ? _mm512_loadu_ps((const float *)(x + (long)row * in) + 16 * block)
+                              : _mm512_setzero_ps();
+        }
+        transpose16(r);
+        uint32_t *target = b + (long)item * 256;
+        for (int i = 0; i < 16; i++) _mm512_storeu_ps((float *)target + 16 * i, r[i]);
+    }
+}
+
+#define AMX_STEP(c, bt, m)                                                          \
+    if (m < tiles) {                                                                \
+        _tile_loadd(bt, b + ((long)(m) * blocks + k) * 256, 64);                     \
+        _tile_dpbf16ps(c, 0, bt);                                                   \
+    }
+
+/* y rows [first, first + 64) for the output tiles this thread takes. */
+static void amx_tiles(const uint32_t *b, const uint16_t *packed, uint16_t *y, float *y32,
+                      int first, int rows, int in, int out) {
+    const int blocks = in / LINEAR_DEPTH, tiles = row_tiles(first, rows);
+    const int out_tiles = (out + LINEAR_TILE - 1) / LINEAR_TILE;
+    tile_config config = {.palette = 1};
+    for (int t = 0; t < 8; t++) config.bytes_per_row[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+    float c[4][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+    for (int tile = 0; tile < out_tiles; tile++) {
+        const uint16_t *w = packed + (long)tile * LINEAR_TILE * in;
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_zero(4);
+        _tile_zero(5);
+        for (int k = 0; k < blocks; k++) {
+            for (int line = 0; line < LINEAR_TILE; line++)
+                _mm_prefetch((const char *)(w + LINEAR_PREFETCH + line * 32), _MM_HINT_T1);
+            _tile_loadd(0, w, 64); /* tile 0: the weight block, 16 outputs x 32 inputs */
+            w += LINEAR_TILE * LINEAR_DEPTH;
+            AMX_STEP(2, 1, 0)
+            AMX_STEP(3, 6, 1)
+            AMX_STEP(4, 7, 2)
+            AMX_STEP(5, 1, 3)
+        }
+        _tile_stored(2, c[0], 64);
+        _tile_stored(3, c[1], 64);
+        _tile_stored(4, c[2], 64);
+        _tile_stored(5, c[3], 64);
+        const int left = out - tile * LINEAR_TILE;
+        for (int m = 0; m < tiles; m++) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(c[m] + 16 * i);
+            transpose16(r); /* r[i]: row first + 16 m + i, this tile's 16 outputs */
+            const __mmask16 mask = left >= LINEAR_TILE ? 0xffff : (__mmask16)((1u << left) - 1);
+            for (int i = 0; i < 16 && first + 16 * m + i < rows; i++) {
+                const __m256i sums = bf16x16_from(r[i]);
+                const long at = (long)(first + 16 * m + i) * out + (long)tile * LINEAR_TILE;
+                if (y32)
+                    _mm512_mask_storeu_ps(y32 + at, mask, widen_bf16x16(sums));
+                else
+                    _mm256_mask_storeu_epi16(y + at, mask, sums);
+            }
+        }
+    }
+    _tile_release();
+}
+
+/* Scratch for the B tiles of up to `rows` rows of `in` inputs, where AMX takes that many
+   rows (more than a decode step's few); NULL otherwise, or when out of memory. */
+static uint32_t *amx_scratch(int rows, int in) {
+    if (!amx_enabled || rows <= 4) return NULL;
+    const int chunk = rows < AMX_ROWS ? rows : AMX_ROWS;
+    return aligned_alloc(64, (size_t)((chunk + 15) / 16) * in * 16 * sizeof(uint16_t));
+}
+#else
+static uint32_t *amx_scratch(int rows, int in) {
+    (void)rows, (void)in;
+    return NULL;
+}
+#endif
+
+/* linear_rows, on AMX tiles where amx_scratch gave scratch b (inside a parallel region). */
+static void linear_stage(const uint16_t *x, const uint16_t *packed, uint16_t *y, float *y32,
+                         int rows, int in, int out, uint32_t *b) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (b) {
+        for (int first = 0; first < rows; first += AMX_ROWS) {
+            amx_pack_rows(x, b, first, rows, in); /* its barrier: b is ready */
+            amx_tiles(b, packed, y, y32, first, rows, in, out); /* its barrier: b is free */
+        }
+        return;
+    }
+#endif
+    (void)b;
+    linear_rows(x, packed, y, y32, rows, in, out);
+}
+
+/* x: [rows, in], W packed from [out, in] (in % 32 == 0), y: [rows, out]. More than a decode
+   step's few rows run on AMX where the CPU has it and amx_enable() succeeded. */
 void linear_rows_bf16(const uint16_t *x, const uint16_t *packed, uint16_t *y, int rows, int in,
                       int out, int threads) {
+    uint32_t *b = amx_scratch(rows, in);
 #pragma omp parallel num_threads(threads)
-    linear_rows(x, packed, y, NULL, rows, in, out);
+    linear_stage(x, packed, y, NULL, rows, in, out, b);
+    free(b);
 }
 
 /* The model's shapes, mirrored by DecodeStepShape in decode_attention.py. */
@@ -615,6 +828,9 @@ int decode_step_bf16(const step_shape *m, const uint16_t *const *weights, uint16
     uint16_t *qkv = update + (long)rows * hidden, *attended = qkv + (long)rows * qkv_width;
     uint16_t *gate_up = attended + (long)rows * m->heads * dim;
     uint16_t *activated = gate_up + (long)rows * 2 * m->intermediate;
+    int widest = hidden > m->intermediate ? hidden : m->intermediate;
+    if (m->heads * dim > widest) widest = m->heads * dim;
+    uint32_t *b = amx_scratch(rows, widest); /* NULL: the vector kernel */
 #pragma omp parallel num_threads(threads)
     for (int layer = 0; layer <= m->layers; layer++) {
         const uint16_t *const *w = weights + (long)layer * PER_LAYER;
@@ -624,11 +840,11 @@ int decode_step_bf16(const step_shape *m, const uint16_t *const *weights, uint16
                              residual + (long)row * hidden, w[INPUT_NORM],
                              normed + (long)row * hidden, hidden, m->eps);
         if (layer == m->layers) { /* the final norm, then the vocabulary projection */
-            linear_rows(normed, w[1], NULL, logits, rows, hidden, m->vocab);
+            linear_stage(normed, w[1], NULL, logits, rows, hidden, m->vocab, b);
             break;
         }
         uint16_t *layer_cache = cache + layer * layer_size;
-        linear_rows(normed, w[QKV], qkv, NULL, rows, hidden, qkv_width);
+        linear_stage(normed, w[QKV], qkv, NULL, rows, hidden, qkv_width, b);
 #pragma omp for
         for (int row = 0; row < rows; row++)
             rotary_row(qkv + (long)row * qkv_width, cos + (long)row * dim,
@@ -638,18 +854,19 @@ int decode_step_bf16(const step_shape *m, const uint16_t *const *weights, uint16
         for (long item = 0; item < (long)rows * m->kv_heads; item++)
             attend_item(item, qkv, qkv_width, layer_cache, block_table, width, lengths, attended,
                         m->kv_heads, group, dim, slots * dim, m->block_size, m->scale);
-        linear_rows(attended, w[OUTPUT], update, NULL, rows, m->heads * dim, hidden);
+        linear_stage(attended, w[OUTPUT], update, NULL, rows, m->heads * dim, hidden, b);
 #pragma omp for
         for (int row = 0; row < rows; row++)
             add_rms_norm_row(update + (long)row * hidden, residual + (long)row * hidden,
                              w[POST_NORM], normed + (long)row * hidden, hidden, m->eps);
-        linear_rows(normed, w[GATE_UP], gate_up, NULL, rows, hidden, 2 * m->intermediate);
+        linear_stage(normed, w[GATE_UP], gate_up, NULL, rows, hidden, 2 * m->intermediate, b);
 #pragma omp for
         for (int row = 0; row < rows; row++)
             silu_mul_row(gate_up + (long)row * 2 * m->intermediate,
                          activated + (long)row * m->intermediate, m->intermediate);
-        linear_rows(activated, w[DOWN], update, NULL, rows, m->intermediate, hidden);
+        linear_stage(activated, w[DOWN], update, NULL, rows, m->intermediate, hidden, b);
     }
+    free(b);
     free(scratch);
     return 0;
 }

@@ -46,6 +46,7 @@ MAX_HEAD_DIM = 256
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
+_amx = False
 _loaded = False
 
 
@@ -296,6 +297,8 @@ class SiluMulKernel:
 
 LINEAR_TILE, LINEAR_DEPTH = 16, 32  # the packed weight layout of linear_rows (C)
 STEP_MAX_ROWS = 4  # decode steps of up to this many rows run in decode_step_bf16
+# With AMX, linear_rows also takes steps of this many rows, where it beats oneDNN's matmul
+AMX_ROWS = (STEP_MAX_ROWS + 1, 64)
 
 
 def pack_rows(weight: torch.Tensor) -> torch.Tensor:
@@ -311,7 +314,8 @@ def pack_rows(weight: torch.Tensor) -> torch.Tensor:
 
 
 class LinearRowsKernel:
-    """x @ W.T for a few bf16 rows against a weight packed by pack_rows."""
+    """x @ W.T for bf16 rows against a weight packed by pack_rows: a few rows on vector
+    registers, more on AMX tiles where the CPU has them (has_amx)."""
 
     def __init__(self, library: ctypes.CDLL):
         self.function = bind(
@@ -355,9 +359,10 @@ class StepLayer:
 
 
 class DecodeStepKernel:
-    """A whole decode step of a few rows (at most STEP_MAX_ROWS) in one call: every layer's
-    norms, linears, rotary + cache write and attention, then the final norm and the
-    vocabulary projection. Holds the packed weights (one more copy of the matrices)."""
+    """A whole decode step in one call: every layer's norms, linears, rotary + cache write
+    and attention, then the final norm and the vocabulary projection. Up to STEP_MAX_ROWS
+    rows on vector registers, or with AMX up to AMX_ROWS[1] (the linears on tiles). Takes
+    the packed matrices of pack_rows."""
 
     def __init__(
         self,
@@ -388,6 +393,7 @@ class DecodeStepKernel:
         )
         self.function.restype = C_INT
         self.shape = shape
+        self.max_rows = AMX_ROWS[1] if has_amx() else STEP_MAX_ROWS
         tensors = [t for layer in layers for t in (
             layer.input_norm, layer.qkv, layer.output, layer.post_norm, layer.gate_up, layer.down
         )] + [final_norm, head]  # fmt: skip
@@ -412,8 +418,8 @@ class DecodeStepKernel:
         DecodeAttentionKernel. Returns the logits [rows, vocab] fp32."""
         shape = self.shape
         rows = embeddings.shape[0]
-        if not 1 <= rows <= STEP_MAX_ROWS or embeddings.shape[1] != shape.hidden:
-            raise ValueError(f"decode_step takes 1 to {STEP_MAX_ROWS} rows of the hidden size")
+        if not 1 <= rows <= self.max_rows or embeddings.shape[1] != shape.hidden:
+            raise ValueError(f"decode_step takes 1 to {self.max_rows} rows of the hidden size")
         tensors = (embeddings, cache, cos, signed_sin, block_table, lengths, slot_mapping)
         if not all(t.is_contiguous() for t in tensors) or cos.shape != (rows, shape.dim):
             raise ValueError("decode_step needs contiguous inputs, one cos and sin row per row")
@@ -461,7 +467,17 @@ def library() -> ctypes.CDLL | None:
                     _library = ctypes.CDLL(str(path))
                 except OSError:
                     _library = None
+            global _amx
+            # AMX's tile state is Linux's to grant, once per process (amx_enable in the C)
+            _amx = _library is not None and hasattr(_library, "amx_enable")
+            _amx = _amx and _library.amx_enable() == 0  # type: ignore[union-attr]
         return _library
+
+
+def has_amx() -> bool:
+    """Whether linear_rows runs more than a decode step's few rows on AMX tiles."""
+    library()
+    return _amx
 
 
 def load() -> DecodeAttentionKernel | None:

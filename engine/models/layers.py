@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.decode_attention import AMX_ROWS, LinearRowsKernel
+
 # On CPUs without native bf16 dot products (AVX2, AVX-512 before avx512_bf16), a bf16
 # GEMM runs several times slower than fp32, so batched rows multiply an fp32 copy of
 # the weight; a single row is memory bound and reads the narrow weight directly.
@@ -16,6 +18,11 @@ def cpu_has_native_bf16() -> bool:
     """avx512_bf16 or AMX: bf16 GEMMs run ~4x faster than fp32 (measured: AMD EPYC)."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+def cpu_has_amx() -> bool:
+    """AMX tiles (Intel Xeon since Sapphire Rapids): oneDNN's bf16 kernels run on them."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
@@ -60,6 +67,9 @@ class Linear(nn.Module):
         # (bf16 storage, fp32 compute): widening per matmul cost as much as the matmul.
         self.wide_weight: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
+        # decode_attention's pack_rows copy, and (with AMX) its kernel for mid-sized steps
+        self.rows_packed: torch.Tensor | None = None
+        self.rows_kernel: LinearRowsKernel | None = None
         if storage == "int8":
             quantized, scale = quantize_per_channel(weight.float())
             self.weight = nn.Parameter(quantized, requires_grad=False)
@@ -90,6 +100,10 @@ class Linear(nn.Module):
                 return out.to(self.compute_dtype)
             return F.linear(x, weight.to(x.dtype)) * self.scale.to(x.dtype)
         if weight.dtype == x.dtype:
+            low, high = AMX_ROWS
+            if self.rows_kernel is not None and low <= rows <= high:
+                assert self.rows_packed is not None
+                return self.rows_kernel(x.contiguous(), self.rows_packed, self.out_features)
             if self.packed is not None:
                 return linear_packed(x, self.packed)
             return F.linear(x, weight)

@@ -19,7 +19,14 @@ from torch import nn
 
 from engine.config import LlamaConfig
 from engine.models import decode_attention
-from engine.models.layers import Embedding, Linear, RMSNorm, apply_rotary, rotary_tables
+from engine.models.layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    apply_rotary,
+    cpu_has_amx,
+    rotary_tables,
+)
 
 
 @dataclass(slots=True)
@@ -303,7 +310,8 @@ class LlamaModel(nn.Module):
         shapes, else PyTorch ops. float32 weights keep HF's exact order in PyTorch ops.
 
         - bf16 compute (CPUs with native bf16 dot products): every kernel; every token of
-          a step, prefill chunks too, attends through the decode attention kernel.
+          a step, prefill chunks too, attends through the decode attention kernel, except
+          on CPUs with AMX, where prefill chunks attend through the CPU flash SDPA.
         - fp32 compute on bf16 or int8 weights (CPUs without): the KV cache is bf16, so
           decode rows attend through the kernel (q rounded to bf16 for it), while prefill
           chunks keep the CPU flash SDPA, faster there than the kernel's per-key products.
@@ -316,7 +324,9 @@ class LlamaModel(nn.Module):
         fits = decode_attention.supports(config.num_heads, config.num_kv_heads, config.head_dim)
         bf16_cache = cpu and self.storage != "float32"
         self.decode_kernel = decode_attention.load() if bf16_cache and fits else None
-        self.kernel_prefill = usable
+        # With AMX, torch's flash SDPA multiplies on tiles and beats the kernel 2 to 2.7x
+        # on prefill chunks (128 to 450 tokens); without, the kernel wins by 25 to 37 %.
+        self.kernel_prefill = usable and not cpu_has_amx()
         norm_fits = config.hidden_size % 16 == 0
         self.norm_kernel = decode_attention.load_add_rms_norm() if usable and norm_fits else None
         rotary_fits = config.head_dim % 32 == 0 and config.head_dim <= decode_attention.MAX_HEAD_DIM
@@ -328,25 +338,49 @@ class LlamaModel(nn.Module):
             layer.attention.rotary_kernel = rotary
             layer.mlp.silu_mul_kernel = silu_mul
         step_fits = self.decode_kernel is not None and norm_fits and rotary_fits and silu_fits
-        usable = cpu and self.storage == "bfloat16" and step_fits
+        usable = cpu and self.storage == "bfloat16" and step_fits and self._pack_rows()
         self.step_kernel = self._decode_step_kernel() if usable else None
+        self.step_max_rows = 0 if self.step_kernel is None else self.step_kernel.max_rows
+        # With AMX, steps of more rows than the step kernel's multiply on the packed copies
+        # (linear_rows): faster than oneDNN's matmul up to 64 rows (see docs/engine.md).
+        rows_kernel = decode_attention.load_linear_rows() if usable else None
+        bf16_compute = self.compute_dtype == torch.bfloat16
+        if rows_kernel is not None and not (bf16_compute and decode_attention.has_amx()):
+            rows_kernel = None
+        for linear in self._linears():
+            linear.rows_kernel = rows_kernel
 
-    def _decode_step_kernel(self) -> decode_attention.DecodeStepKernel | None:
-        """The whole-step kernel for decode steps of a few rows, with the matrices packed
-        for it, where the library has it and every matrix is bf16 of a shape it takes."""
-        config = self.config
+    def _linears(self) -> list[Linear]:
         linears = [self.lm_head]
         for layer in self.layer_list:
             attention, mlp = layer.attention, layer.mlp
             linears += [attention.qkv, attention.output, mlp.gate_up, mlp.down]
+        return linears
+
+    def _pack_rows(self) -> bool:
+        """Give every matrix its pack_rows copy (once), where the library has the few-row
+        kernels and every matrix is bf16 of a shape they take; whether they all have one."""
+        linears = self._linears()
+        if all(m.rows_packed is not None for m in linears):
+            return True
         shapes_fit = all(
             m.weight.dtype == torch.bfloat16
             and m.weight.shape[1] % decode_attention.LINEAR_DEPTH == 0
             for m in linears
         )
         if not (shapes_fit and decode_attention.has_decode_step()):
-            return None
-        pack = decode_attention.pack_rows
+            return False
+        for m in linears:
+            m.rows_packed = decode_attention.pack_rows(m.weight.detach())
+        return True
+
+    def _decode_step_kernel(self) -> decode_attention.DecodeStepKernel | None:
+        """The whole-step kernel for decode steps of a few rows, on the packed matrices."""
+        config = self.config
+
+        def pack(linear: Linear) -> torch.Tensor:
+            assert linear.rows_packed is not None
+            return linear.rows_packed
 
         def bf16(tensor: torch.Tensor) -> torch.Tensor:  # norms are kept in the compute dtype
             return tensor.detach().to(torch.bfloat16)
@@ -354,11 +388,11 @@ class LlamaModel(nn.Module):
         layers = [
             decode_attention.StepLayer(
                 input_norm=bf16(layer.input_norm.weight),
-                qkv=pack(layer.attention.qkv.weight.detach()),
-                output=pack(layer.attention.output.weight.detach()),
+                qkv=pack(layer.attention.qkv),
+                output=pack(layer.attention.output),
                 post_norm=bf16(layer.post_attention_norm.weight),
-                gate_up=pack(layer.mlp.gate_up.weight.detach()),
-                down=pack(layer.mlp.down.weight.detach()),
+                gate_up=pack(layer.mlp.gate_up),
+                down=pack(layer.mlp.down),
             )
             for layer in self.layer_list
         ]
@@ -373,7 +407,7 @@ class LlamaModel(nn.Module):
             eps=config.rms_norm_eps,
             scale=config.head_dim**-0.5,
         )
-        head = pack(self.lm_head.weight.detach())
+        head = pack(self.lm_head)
         return decode_attention.load_decode_step(shape, layers, bf16(self.norm.weight), head)
 
     def forward(
@@ -391,10 +425,10 @@ class LlamaModel(nn.Module):
         if (
             self.step_kernel is not None
             and table is not None
-            and meta.num_decode == rows <= decode_attention.STEP_MAX_ROWS
+            and meta.num_decode == rows <= self.step_max_rows
             and cache.kv.dtype == torch.bfloat16
         ):
-            # A few decode rows: the whole step in one kernel call, in bf16 (the embedding
+            # Decode rows only: the whole step in one kernel call, in bf16 (the embedding
             # rows of bf16 weights are exact in it); every row samples.
             assert logits_indices.shape[0] == rows
             bf16 = torch.bfloat16

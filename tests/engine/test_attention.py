@@ -12,6 +12,7 @@ import torch
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.models import decode_attention
+from engine.models.layers import cpu_has_amx
 from engine.scheduler import ScheduledBatch
 from engine.sequence import SamplingParams, Sequence
 
@@ -190,12 +191,13 @@ def test_model_with_kernel_matches_decode_groups(tiny_llama: Path):
     """Mixed steps (decodes of ragged lengths beside prefill chunks with and without
     context), then decode-only steps, through both decode paths with the same tokens.
     With bf16 compute the prefill chunks attend through the kernel too and the small ops
-    are fused; with fp32 compute (CPUs without native bf16) the decode rows only."""
+    are fused (but for AMX CPUs, where prefills keep SDPA); with fp32 compute (CPUs
+    without native bf16) the decode rows only."""
     engines = [engine_for(tiny_llama, use_kernel=True), engine_for(tiny_llama, use_kernel=False)]
     assert engines[0].runner.uses_decode_kernel and not engines[1].runner.uses_decode_kernel
     model = engines[0].runner.model
     bf16_compute = model.compute_dtype == torch.bfloat16
-    assert model.kernel_prefill == bf16_compute
+    assert model.kernel_prefill == (bf16_compute and not cpu_has_amx())
     assert (model.norm_kernel is not None) == bf16_compute
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in (3, 16, 17, 45, 90, 150, 200)]
@@ -260,8 +262,10 @@ needs_step_kernel = pytest.mark.skipif(linear_rows is None, reason="no C compile
 
 
 @needs_step_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 49, 64, 70, 130])
 def test_linear_rows_matches_fp32_matmul(rows: int):
+    """A few rows on vector registers; more on AMX tiles where the CPU has them: partial
+    tiles of rows and outputs, and more rows than one pass over the weight takes (64)."""
     assert linear_rows is not None
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(970, 576, generator=generator).to(torch.bfloat16)  # a partial tile
@@ -292,8 +296,9 @@ def test_linear_rows_refuses_what_it_cannot_read():
 
 @needs_step_kernel
 def test_decode_step_kernel_matches_the_pytorch_layers(tiny_llama_dim32: Path):
-    """Decode-only steps of four rows down to one, all layers in one call, against the
-    model in PyTorch ops: the same logits to bf16 rounding and the same KV cache."""
+    """Decode-only steps of four rows down to one (and five with AMX), all layers in one
+    call, against the model in PyTorch ops: the same logits to bf16 rounding and the same
+    KV cache."""
     engines = [
         engine_for(tiny_llama_dim32, use_kernel=True),
         engine_for(tiny_llama_dim32, use_kernel=False),
@@ -317,10 +322,13 @@ def test_decode_step_kernel_matches_the_pytorch_layers(tiny_llama_dim32: Path):
         [(1, 1), (3, 1)],
         [(3, 1)],
         [(i, 1) for i in range(4)] + [(4, 12)],  # a prefill in the step: the layer path
-        [(i, 1) for i in range(5)],  # five rows: the layer path
+        [(i, 1) for i in range(5)],  # five rows: the layer path, or AMX in the step kernel
     ]
     compare_steps(engines, prompts, plan)
-    assert calls == [4] * 20 + [3, 2, 1]
+    # with AMX the step kernel takes the five rows too (its linears on tiles)
+    assert calls == [4] * 20 + [3, 2, 1] + ([5] if decode_attention.has_amx() else [])
+    assert model.step_max_rows == (64 if decode_attention.has_amx() else 4)
+    assert (model.lm_head.rows_kernel is not None) == decode_attention.has_amx()
     caches = [engine.runner.cache.kv.float() for engine in engines]
     scale = caches[1].abs().max().item()
     assert (caches[0] - caches[1]).abs().max().item() <= 0.04 * scale

@@ -1,9 +1,9 @@
 """The kernel tests again for every older instruction set this CPU can also execute.
 
-The C has three code paths (AVX-512 with bf16 dot products, AVX-512F, AVX2), and a
-machine builds only the one of its own CPU. On a CPU with avx512_bf16 the other two are
-built for `skylake-avx512` and `haswell` through FLEET_ENGINE_KERNEL_ARCH and the kernel
-tests run against each in a child pytest."""
+The C has four code paths (AMX tiles beside AVX-512 with bf16 dot products; those dot
+products alone; AVX-512F; AVX2), and a machine builds only the one of its own CPU. The
+older ones are built for `cooperlake`, `skylake-avx512` and `haswell` through
+FLEET_ENGINE_KERNEL_ARCH, and the kernel tests run against each in a child pytest."""
 
 from __future__ import annotations
 
@@ -13,21 +13,25 @@ import sys
 import pytest
 
 from engine.models import decode_attention
-
 from tests.conftest import REPO_ROOT, child_environment
 
 CPU = set(decode_attention.cpu_flags().split())
 TARGETS = {
-    # -march name: the CPU flags it needs, and whether native already is that path
+    # -march name: the CPU flags its code needs
+    "cooperlake": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
     "skylake-avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
     "haswell": {"avx2", "fma"},
 }
 
 
 def native_path() -> str:
-    if "avx512_bf16" in CPU:
-        return "avx512_bf16"
-    return "skylake-avx512" if TARGETS["skylake-avx512"] <= CPU else "haswell"
+    """The target whose code path a native build takes on this CPU."""
+    if "amx_tile" in CPU and "amx_bf16" in CPU:
+        return "native: AMX"
+    for arch in TARGETS:  # the newest first
+        if TARGETS[arch] <= CPU:
+            return arch
+    return "none"
 
 
 @pytest.mark.slow
