@@ -37,7 +37,6 @@ static inline uint16_t bf16_from_float(float f) {
 
 #if defined(__AVX512F__)
 typedef __m512 vf16;
-__m512 _ZGVeN16v_expf(__m512); /* glibc libmvec: 16 expf at once */
 
 static inline vf16 vf_zero(void) { return _mm512_setzero_ps(); }
 static inline vf16 vf_set1(float x) { return _mm512_set1_ps(x); }
@@ -49,8 +48,8 @@ static inline vf16 vf_fmadd(vf16 a, vf16 b, vf16 c) { return _mm512_fmadd_ps(a, 
 static inline void vf_store(float *p, vf16 v) { _mm512_storeu_ps(p, v); }
 static inline float vf_sum(vf16 v) { return _mm512_reduce_add_ps(v); }
 static inline float vf_max(vf16 v) { return _mm512_reduce_max_ps(v); }
-static inline vf16 vf_exp(vf16 v) { return _ZGVeN16v_expf(v); }
-static inline vf16 vf_floor_max(vf16 a, vf16 b) { return _mm512_max_ps(a, b); }
+static inline vf16 vf_max2(vf16 a, vf16 b) { return _mm512_max_ps(a, b); }
+static inline vf16 vf_min2(vf16 a, vf16 b) { return _mm512_min_ps(a, b); }
 static inline vf16 vf_round(vf16 v) {
     return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
@@ -98,7 +97,6 @@ static inline vf16 sum16(const vf16 *d) {
 typedef struct {
     __m256 lo, hi;
 } vf16;
-__m256 _ZGVdN8v_expf(__m256); /* glibc libmvec: 8 expf at once */
 
 static inline vf16 vf_pair(__m256 lo, __m256 hi) {
     vf16 v = {lo, hi};
@@ -137,9 +135,11 @@ static inline float vf_max(vf16 v) {
     x = _mm_max_ps(x, _mm_movehl_ps(x, x));
     return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
 }
-static inline vf16 vf_exp(vf16 v) { return vf_pair(_ZGVdN8v_expf(v.lo), _ZGVdN8v_expf(v.hi)); }
-static inline vf16 vf_floor_max(vf16 a, vf16 b) {
+static inline vf16 vf_max2(vf16 a, vf16 b) {
     return vf_pair(_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi));
+}
+static inline vf16 vf_min2(vf16 a, vf16 b) {
+    return vf_pair(_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi));
 }
 static inline vf16 vf_round(vf16 v) {
     const int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
@@ -207,11 +207,11 @@ static inline void store_bf16x16(uint16_t *p, vf16 v) {
 }
 static inline vf16 round_bf16x16(vf16 v) { return widen_bf16x16(bf16x16_from(v)); }
 
-/* exp for the softmax, inline: a libmvec call inside the attention loop made the compiler
-   spill every accumulator around it. Cephes' expf polynomial (about 1 ulp in fp32); inputs
-   are at most 0 there, and below -87 (masked keys, the first chunk's -inf) give ~1e-38. */
+/* exp inline: a libmvec call inside a loop makes the compiler spill every live vector
+   register around it. Cephes' expf polynomial (about 1 ulp in fp32); inputs are clamped to
+   [-87, 88], so that masked keys and the first chunk's -inf give ~1e-38, not NaN. */
 static inline vf16 vf_exp_inline(vf16 x) {
-    x = vf_floor_max(x, vf_set1(-87.f));
+    x = vf_max2(vf_min2(x, vf_set1(88.f)), vf_set1(-87.f));
     const vf16 n = vf_round(vf_mul(x, vf_set1(1.44269504088896341f)));
     vf16 r = vf_sub(x, vf_mul(n, vf_set1(0.693359375f)));
     r = vf_add(r, vf_mul(n, vf_set1(2.12194440e-4f)));
@@ -497,13 +497,13 @@ void rotary_cache_write_bf16(uint16_t *qkv, long qkv_stride, const uint16_t *cos
 }
 
 /* SwiGLU's activation: out = bf16(bf16(silu(gate)) * up), gate_up: [rows, 2 * width] rows
-   of [gate | up]; out: [rows, width]; width a multiple of 16. silu in fp32 with glibc's
-   vector expf, as torch's bf16 silu computes it. */
+   of [gate | up]; out: [rows, width]; width a multiple of 16. silu in fp32, as torch's
+   bf16 silu computes it (exp within about an ulp of glibc's). */
 static void silu_mul_row(const uint16_t *gate, uint16_t *target, int width) {
     const uint16_t *up = gate + width;
     for (int i = 0; i < width; i += 16) {
         vf16 g = load_bf16x16(gate + i);
-        vf16 e = vf_exp(vf_sub(vf_zero(), g));
+        vf16 e = vf_exp_inline(vf_sub(vf_zero(), g));
         vf16 silu = round_bf16x16(vf_div(g, vf_add(vf_set1(1.0f), e)));
         store_bf16x16(target + i, vf_mul(silu, load_bf16x16(up + i)));
     }

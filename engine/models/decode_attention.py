@@ -39,7 +39,6 @@ import torch.nn.functional as F
 SOURCE = Path(__file__).with_name("decode_attention.c")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 ARCH_VARIABLE = "FLEET_ENGINE_KERNEL_ARCH"
-LIBRARIES = ["-lmvec"]  # glibc's vector expf
 MAX_GROUP = 16
 MAX_HEAD_DIM = 256
 
@@ -85,7 +84,7 @@ def build() -> Path | None:
         return None
     flags = [*FLAGS, f"-march={target_arch()}"]
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(flags + LIBRARIES).encode() + cpu_flags().encode()
+        SOURCE.read_bytes() + " ".join(flags).encode() + cpu_flags().encode()
     ).hexdigest()[:16]
     target = cache_folder() / f"decode_attention-{key}.so"
     if target.exists():
@@ -94,7 +93,7 @@ def build() -> Path | None:
     # Build under a temporary name and rename: engines starting together never load half a file.
     handle, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
-    command = [compiler, *flags, "-o", temporary, str(SOURCE), *LIBRARIES]
+    command = [compiler, *flags, "-o", temporary, str(SOURCE)]
     try:
         subprocess.run(command, check=True, capture_output=True, timeout=120)
         os.replace(temporary, target)
