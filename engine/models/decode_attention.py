@@ -1,5 +1,6 @@
 """The engine's bf16 CPU kernels (decode_attention.c), built once per machine: the fused
-decode attention and the residual add fused with RMSNorm.
+decode attention, the small ops fused between the matmuls, a linear layer for a decode
+step's rows (on AMX tiles where the CPU has them) and the whole decode step in one call.
 
 In PyTorch ops a decode step's K crosses memory three times (the gather reads it and
 writes a copy, the scores read the copy), V once more (embedding_bag), and rows are
