@@ -56,6 +56,7 @@ static inline vf16 vf_round(vf16 v) {
     return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 static inline vf16 vf_scale2(vf16 v, vf16 n) { return _mm512_scalef_ps(v, n); } /* v * 2^n */
+static inline float vf_lane0(vf16 v) { return _mm512_cvtss_f32(v); }
 /* the first `count` lanes of v, `fill` in the others */
 static inline vf16 vf_first(vf16 v, int count, float fill) {
     return _mm512_mask_mov_ps(_mm512_set1_ps(fill), (__mmask16)((1u << count) - 1), v);
@@ -147,11 +148,14 @@ static inline vf16 vf_round(vf16 v) {
     const int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     return vf_pair(_mm256_round_ps(v.lo, mode), _mm256_round_ps(v.hi, mode));
 }
-static inline __m256 scale2x8(__m256 v, __m256 n) { /* n in [-126, 127] */
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(v, _mm256_castsi256_ps(bits));
+static inline __m256 scale2x8(__m256 v, __m256 n) { /* v * 2^n, n in [-126, 127] */
+    const __m256i exponent = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_mul_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(exponent, 23)));
 }
-static inline vf16 vf_scale2(vf16 v, vf16 n) { return vf_pair(scale2x8(v.lo, n.lo), scale2x8(v.hi, n.hi)); }
+static inline vf16 vf_scale2(vf16 v, vf16 n) {
+    return vf_pair(scale2x8(v.lo, n.lo), scale2x8(v.hi, n.hi));
+}
+static inline float vf_lane0(vf16 v) { return _mm256_cvtss_f32(v.lo); }
 static inline vf16 vf_first(vf16 v, int count, float fill) {
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), n = _mm256_set1_epi32(count);
     const __m256 low = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n, lanes));
@@ -317,8 +321,9 @@ static inline __attribute__((always_inline)) void attend(
             const vf16 s = vf_first(sums, count, -INFINITY);
             const float chunk_max = vf_max(s);
             if (chunk_max > running_max[g]) { /* rescale what the earlier keys summed */
+                /* on the first chunk ~1e-38 times a sum and accumulators of 0 */
                 const vf16 factor = vf_exp_inline(vf_set1(running_max[g] - chunk_max));
-                running_sum[g] *= vf_sum(factor) * (1.f / 16); /* 0 on the first chunk */
+                running_sum[g] *= vf_lane0(factor);
                 for (int c = 0; c < chunks; c++) acc[g][c] = vf_mul(acc[g][c], factor);
                 running_max[g] = chunk_max;
             }

@@ -343,10 +343,8 @@ class LlamaModel(nn.Module):
         self.step_max_rows = 0 if self.step_kernel is None else self.step_kernel.max_rows
         # With AMX, steps of more rows than the step kernel's multiply on the packed copies
         # (linear_rows): faster than oneDNN's matmul up to 64 rows (see docs/engine.md).
-        rows_kernel = decode_attention.load_linear_rows() if usable else None
-        bf16_compute = self.compute_dtype == torch.bfloat16
-        if rows_kernel is not None and not (bf16_compute and decode_attention.has_amx()):
-            rows_kernel = None
+        amx = usable and self.compute_dtype == torch.bfloat16 and decode_attention.has_amx()
+        rows_kernel = decode_attention.load_linear_rows() if amx else None
         for linear in self._linears():
             linear.rows_kernel = rows_kernel
 
@@ -375,7 +373,8 @@ class LlamaModel(nn.Module):
         return True
 
     def _decode_step_kernel(self) -> decode_attention.DecodeStepKernel | None:
-        """The whole-step kernel for decode steps of a few rows, on the packed matrices."""
+        """The whole-step kernel for decode-only steps (up to 4 rows, or 64 with AMX), on
+        the packed matrices."""
         config = self.config
 
         def pack(linear: Linear) -> torch.Tensor:
