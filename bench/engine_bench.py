@@ -5,7 +5,8 @@
     python -m bench --only engine_bench     # as a step of `make bench` (docs/loadgen.md)
 
 1. Serving throughput: useful output tokens/s of the engine over HTTP divided by
-   HF transformers `generate` in static batches on the same weights and dtype.
+   HF transformers `generate` in static batches on the same weights and dtype (on a
+   CPU without native bf16, HF in float32 on the bf16 weights: see reference_dtype).
 2. Single-stream decode tokens/s divided by the memory roofline of the dtype
    (bytes of weights / measured read bandwidth); llama.cpp too where installed.
 3. Time to first token at 1 and 32 concurrent requests, against the engine's own
@@ -67,6 +68,7 @@ class Options:
     ttft_many: int = 32
     budget_s: float = BUDGET_S
     skip_reference: bool = False
+    reference_dtype: str | None = None  # None: the engine's dtype where it runs natively
 
 
 QUICK = Options(
@@ -271,6 +273,45 @@ def run_reference(
     return ReferenceResult(time.perf_counter() - started, useful, requests, hit_time_limit, batches)
 
 
+def reference_dtype(options: Options) -> tuple[torch.dtype, str | None]:
+    """HF's dtype for the reference, and why it is not the engine's dtype when it is not.
+
+    The reference computes in the engine's dtype (bfloat16 for int8 too). On a CPU
+    without native bf16 dot products (AVX2, AVX-512 before avx512_bf16) PyTorch's bf16
+    GEMMs run many times slower than fp32 (a 64-request static batch of this workload
+    took over 480 s to prefill on an AMD EPYC Zen 3), so such a reference measures only
+    the missing instructions; it runs in float32 on the same bf16-rounded weights
+    instead, HF's fastest dtype there. The engine itself computes batches in fp32 there.
+    """
+    if options.reference_dtype is not None:
+        return getattr(torch, options.reference_dtype), None
+    if options.dtype == "float32":
+        return torch.float32, None
+    from engine.models.layers import cpu_has_native_bf16
+
+    if torch.cuda.is_available() or cpu_has_native_bf16():
+        return torch.bfloat16, None
+    return torch.float32, (
+        "this CPU has no native bf16 dot products: HF runs in float32 on the same "
+        "bf16-rounded weights (its fastest dtype here; --reference-dtype bfloat16 forces bf16)"
+    )
+
+
+def reference_forward_seconds(options: Options, tokens: int) -> dict[str, float]:
+    """One HF forward pass of a `tokens`-token prompt in each dtype: why fp32 is chosen."""
+    model = reference_model(options.model, torch.float32)
+    ids = torch.tensor([random_prompts(1, tokens, seed=5)[0]])
+    seconds: dict[str, float] = {}
+    with torch.inference_mode():
+        for dtype in (torch.float32, torch.bfloat16):
+            model = model.to(dtype)
+            model(input_ids=ids[:, :8])  # warm the kernels
+            started = time.perf_counter()
+            model(input_ids=ids)
+            seconds[str(dtype).removeprefix("torch.")] = time.perf_counter() - started
+    return seconds
+
+
 # ---- in-process figures: bandwidth, single-stream decode, prefill time -------------------
 def read_bandwidth_gbs() -> float:
     data = torch.ones(128 * 2**20)  # 512 MiB of fp32, far beyond any cache
@@ -336,18 +377,18 @@ def measure_ceilings(model: Any, rows: int) -> KernelCeilings:
 
     head = model.lm_head
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    layer_params = sum(m.weight.numel() for m in linears if m is not head)
-    head_params = head.weight.numel()
+    layer_params = sum(m.out_features * m.in_features for m in linears if m is not head)
+    head_params = head.out_features * head.in_features
 
     def best_pass(count: int, repeats: int) -> float:
-        inputs = {m.weight.shape[1]: torch.randn(count, m.weight.shape[1]) for m in linears}
+        inputs = {m.in_features: torch.randn(count, m.in_features) for m in linears}
         inputs = {width: x.to(model.compute_dtype) for width, x in inputs.items()}
         best = float("inf")
         with torch.inference_mode():
             for _ in range(repeats + 1):  # the first pass warms the kernels
                 started = time.perf_counter()
                 for module in linears:
-                    module(inputs[module.weight.shape[1]])
+                    module(inputs[module.in_features])
                 best = min(best, time.perf_counter() - started)
         return best
 
@@ -514,16 +555,28 @@ def measure(options: Options) -> dict[str, Any]:
         )
 
     reference: ReferenceResult | None = None
-    ref_dtype = torch.float32 if options.dtype == "float32" else torch.bfloat16
+    ref_dtype, ref_reason = reference_dtype(options)
+    ref_name = str(ref_dtype).removeprefix("torch.")
     if not options.skip_reference:
+        if ref_reason is not None:
+            probe = reference_forward_seconds(options, options.ttft_prompt)
+            print(f"HF reference dtype: {ref_reason}. One HF forward of a "
+                  f"{options.ttft_prompt}-token prompt: float32 {probe['float32']:.2f}s, "
+                  f"bfloat16 {probe['bfloat16']:.2f}s "
+                  f"({probe['bfloat16'] / probe['float32']:.1f}x slower)", flush=True)  # fmt: skip
+            notes.append(
+                f"HF reference in float32, not {options.dtype}: {ref_reason}; one HF "
+                f"forward of a {options.ttft_prompt}-token prompt took "
+                f"{probe['bfloat16']:.2f}s in bfloat16 against {probe['float32']:.2f}s"
+            )
         reference = run_reference(options, workload, ref_dtype, end - 10)
         gc.collect()
         ref_rate = reference.tokens / reference.seconds
-        print(f"HF generate ({ref_dtype}, static batches of {options.batch_size}, first "
+        print(f"HF generate ({ref_name}, static batches of {options.batch_size}, first "
               f"{reference.requests} requests): {reference.tokens} useful tokens in "
               f"{reference.seconds:.1f}s = {ref_rate:.1f} tok/s", flush=True)  # fmt: skip
-        print(f"RATIO serving throughput engine/HF = {engine_rate / ref_rate:.2f}x "
-              "(target >= 5x)", flush=True)  # fmt: skip
+        print(f"RATIO serving throughput engine ({options.dtype})/HF ({ref_name}) = "
+              f"{engine_rate / ref_rate:.2f}x (target >= 5x)", flush=True)  # fmt: skip
         # The kernels again, after HF: the machine's speed drifts, and the ceiling takes
         # its best moment.
         again = measure_ceilings(local.model, options.max_num_batched_tokens).batched_flops
@@ -580,7 +633,7 @@ def measure(options: Options) -> dict[str, Any]:
             "value": engine_rate,
             "unit": "useful tok/s",
             "reference": f"HF transformers generate, static batches of {options.batch_size}, "
-            f"{options.dtype}, same weights",
+            f"{ref_name}, same weights",
             "reference_value": None if reference is None else reference.tokens / reference.seconds,
             "target": "ratio >= 5",
             **({"skipped": "--skip-reference"} if reference is None else {}),
@@ -686,12 +739,16 @@ def main() -> None:
     parser.add_argument("--kv-cache-mb", type=int, default=2048)
     parser.add_argument("--budget", type=float, help="seconds (default: the step's budget)")
     parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument(
+        "--reference-dtype", choices=["float32", "bfloat16"],
+        help="HF's dtype (default: the engine's, or float32 on a CPU without native bf16)",
+    )  # fmt: skip
     args = parser.parse_args()
     options = replace(
         QUICK if args.quick else Options(),
         model=args.model, dtype=args.dtype, threads=args.threads,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_mb=args.kv_cache_mb,
-        skip_reference=args.skip_reference,
+        skip_reference=args.skip_reference, reference_dtype=args.reference_dtype,
     )  # fmt: skip
     if args.budget:
         options.budget_s = args.budget

@@ -12,6 +12,9 @@ Step loop (one iteration per forward pass):
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import logging
 import threading
 import time
@@ -25,7 +28,7 @@ from engine.config import EngineConfig, LlamaConfig, validate_faults
 from engine.loader import load_checkpoint, resolve_model_path
 from engine.metrics import EngineMetrics
 from engine.model_runner import ModelRunner
-from engine.models.layers import cpu_has_native_bf16
+from engine.models.layers import Linear, cpu_has_native_bf16
 from engine.models.llama import KVCache, LlamaModel
 from engine.sampler import sample
 from engine.scheduler import Scheduler
@@ -60,6 +63,23 @@ Sink = Callable[[RequestOutput], None]
 
 def pick_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def return_freed_memory() -> bool:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim), where there is
+    such a call. Loading frees the checkpoint's fp32 tensors and the plain copies of the
+    matrices (Linear.release_plain), but glibc keeps freed heap pages mapped: without this
+    a bf16 SmolLM2 engine kept about 300 MB it no longer used (1.59 GB against 1.28 GB)."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return False
+    if trim is None:
+        return False
+    gc.collect()
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))
 
 
 def compute_dtype_for(dtype: str, device: torch.device) -> torch.dtype:
@@ -131,9 +151,10 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
-        self.weight_bytes = sum(
-            p.numel() * p.element_size() for p in model.parameters() if p.dim() > 1
-        )
+        # the matrices in their storage dtype (not the extra copies kernels read)
+        self.weight_bytes = sum(m.storage_bytes for m in model.modules() if isinstance(m, Linear))
+        del checkpoint
+        return_freed_memory()
         logger.info(
             "loaded %s (%s, %s on %s) in %.1fs: %d KV blocks of %d tokens",
             path.name, config.dtype, self.compute_dtype, self.device,

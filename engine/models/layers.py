@@ -62,12 +62,16 @@ class Linear(nn.Module):
         super().__init__()
         self.storage = storage
         self.compute_dtype = compute_dtype
+        self.out_features, self.in_features = (int(n) for n in weight.shape)
         self.scale: torch.Tensor | None
+        # The plain weight: None once release_plain() dropped it for another full copy.
+        self.weight: nn.Parameter | None
         # The weight in the compute dtype for batched rows, when the storage dtype differs
         # (bf16 storage, fp32 compute): widening per matmul cost as much as the matmul.
         self.wide_weight: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
-        # decode_attention's pack_rows copy, and (with AMX) its kernel for mid-sized steps
+        # decode_attention's pack_rows copy, and its kernel: with AMX for steps of 5 to 64
+        # rows, with fp32 compute for steps of up to 4 rows the step kernel does not run
         self.rows_packed: torch.Tensor | None = None
         self.rows_kernel: LinearRowsKernel | None = None
         if storage == "int8":
@@ -85,31 +89,53 @@ class Linear(nn.Module):
                 self.packed = pack_for_onednn(self.weight.detach())
 
     @property
-    def out_features(self) -> int:
-        return int(self.weight.shape[0])
+    def storage_bytes(self) -> int:
+        """The matrix's size in its storage dtype: what one pass over it reads at least."""
+        element = {"int8": 1, "bfloat16": 2}.get(self.storage, 4)
+        return self.out_features * self.in_features * element
+
+    def release_plain(self) -> bool:
+        """Drop the plain weight where another copy serves every row count: oneDNN's packed
+        one (bf16 compute), or the fp32 copy (bf16 weights, fp32 compute; few rows then
+        multiply their bf16-rounded values by it). Whether it was dropped."""
+        if self.storage != "bfloat16" or (self.packed is None and self.wide_weight is None):
+            return False
+        self.weight = None
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in] in compute dtype -> [rows, out] in compute dtype
         weight = self.weight
         rows = x.shape[0]
         if self.storage == "int8":
-            assert self.scale is not None
+            assert self.scale is not None and weight is not None
             if x.device.type == "cpu" and rows <= SMALL_BATCH_ROWS:
                 # fused int8 GEMV: reads 1 byte per weight instead of 4
                 out = torch._weight_int8pack_mm(x.to(torch.bfloat16), weight, self.scale_bf16)
                 return out.to(self.compute_dtype)
             return F.linear(x, weight.to(x.dtype)) * self.scale.to(x.dtype)
-        if weight.dtype == x.dtype:
+        wide = self.wide_weight
+        if wide is None:  # the storage dtype is the compute dtype
             low, high = AMX_ROWS
             if self.rows_kernel is not None and low <= rows <= high:
                 assert self.rows_packed is not None
                 return self.rows_kernel(x.contiguous(), self.rows_packed, self.out_features)
             if self.packed is not None:
                 return linear_packed(x, self.packed)
+            assert weight is not None
             return F.linear(x, weight)
-        if rows <= SMALL_BATCH_ROWS or self.wide_weight is None:
-            return F.linear(x.to(weight.dtype), weight).to(x.dtype)
-        return F.linear(x, self.wide_weight)
+        if rows > SMALL_BATCH_ROWS:
+            return F.linear(x, wide)
+        # Few rows: bf16 in, bf16 out, as a bf16 matmul gives (its products are exact in
+        # fp32), from a bf16 copy where there is one: it reads half the bytes.
+        narrow = x.to(torch.bfloat16)
+        if self.rows_kernel is not None and self.rows_packed is not None:
+            return self.rows_kernel(narrow.contiguous(), self.rows_packed, self.out_features).to(
+                x.dtype
+            )
+        if weight is not None:
+            return F.linear(narrow, weight).to(x.dtype)
+        return F.linear(narrow.to(x.dtype), wide).to(torch.bfloat16).to(x.dtype)
 
 
 class Embedding(nn.Module):
@@ -121,8 +147,10 @@ class Embedding(nn.Module):
         self.compute_dtype = compute_dtype
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        # token_ids: [tokens] -> [tokens, hidden]
-        rows = self.as_linear.weight[token_ids].to(self.compute_dtype)
+        # token_ids: [tokens] -> [tokens, hidden]; the plain weight is always kept here
+        table = self.as_linear.weight
+        assert table is not None
+        rows = table[token_ids].to(self.compute_dtype)
         if self.as_linear.scale is not None:
             rows = rows * self.as_linear.scale[token_ids, None].to(self.compute_dtype)
         return rows

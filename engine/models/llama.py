@@ -304,6 +304,11 @@ class LlamaModel(nn.Module):
         self.signed_sin = signed_sin.to(compute_dtype)
         self.device_type = device.type
         self.set_kernels(True)
+        # Every matrix but the embedding table has another full copy by now (oneDNN's
+        # packed one, or the fp32 one for fp32 compute): its plain copy goes (see Linear).
+        for linear in self._linears():
+            if linear is not self.embed.as_linear:
+                linear.release_plain()
 
     def set_kernels(self, enabled: bool) -> None:
         """Use the bf16 CPU kernels (decode_attention.c) where they build and fit the model's
@@ -343,8 +348,11 @@ class LlamaModel(nn.Module):
         self.step_max_rows = 0 if self.step_kernel is None else self.step_kernel.max_rows
         # With AMX, steps of more rows than the step kernel's multiply on the packed copies
         # (linear_rows): faster than oneDNN's matmul up to 64 rows (see docs/engine.md).
+        # With fp32 compute, so do steps of up to 4 rows that are not decode-only (a short
+        # prompt alone): the bf16 copy, read at near the machine's bandwidth.
         amx = usable and self.compute_dtype == torch.bfloat16 and decode_attention.has_amx()
-        rows_kernel = decode_attention.load_linear_rows() if amx else None
+        few_rows = usable and self.compute_dtype == torch.float32
+        rows_kernel = decode_attention.load_linear_rows() if amx or few_rows else None
         for linear in self._linears():
             linear.rows_kernel = rows_kernel
 
@@ -362,13 +370,15 @@ class LlamaModel(nn.Module):
         if all(m.rows_packed is not None for m in linears):
             return True
         shapes_fit = all(
-            m.weight.dtype == torch.bfloat16
-            and m.weight.shape[1] % decode_attention.LINEAR_DEPTH == 0
+            m.weight is not None
+            and m.weight.dtype == torch.bfloat16
+            and m.in_features % decode_attention.LINEAR_DEPTH == 0
             for m in linears
         )
         if not (shapes_fit and decode_attention.has_decode_step()):
             return False
         for m in linears:
+            assert m.weight is not None
             m.rows_packed = decode_attention.pack_rows(m.weight.detach())
         return True
 
