@@ -213,6 +213,25 @@ static inline void store_bf16x16(uint16_t *p, vf16 v) {
 }
 static inline vf16 round_bf16x16(vf16 v) { return widen_bf16x16(bf16x16_from(v)); }
 
+/* 16 bf16 widened in whatever lane order is cheapest, for dot products (both sides loaded
+   alike) and sums (put back in order by in_order). With AVX2 that is an unpack above a
+   zero: one instruction per 8 values where the ordered widening takes two, so the .lo
+   half holds values 0-3 and 8-11, the .hi half 4-7 and 12-15. */
+#if defined(__AVX512F__)
+static inline vf16 load_bf16x16_unordered(const uint16_t *p) { return load_bf16x16(p); }
+static inline vf16 in_order(vf16 v) { return v; }
+#else
+static inline vf16 load_bf16x16_unordered(const uint16_t *p) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p), zero = _mm256_setzero_si256();
+    return vf_pair(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v)),
+                   _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v)));
+}
+static inline vf16 in_order(vf16 v) {
+    return vf_pair(_mm256_permute2f128_ps(v.lo, v.hi, 0x20),
+                   _mm256_permute2f128_ps(v.lo, v.hi, 0x31));
+}
+#endif
+
 /* exp inline: a libmvec call inside a loop makes the compiler spill every live vector
    register around it. Cephes' expf polynomial (about 1 ulp in fp32); inputs are clamped to
    [-87, 88], so that masked keys and the first chunk's -inf give ~1e-38, not NaN. */
@@ -245,6 +264,18 @@ static inline long chunk_offset(const int32_t *table, int position, int block_si
 #define DOT_BF16 0
 #endif
 
+/* Blocks scattered over the cache (a long-running engine's free list hands them out in
+   no order) defeat the hardware prefetcher, and one block of software prefetch ahead did
+   not cover DRAM's latency on AMD EPYC (Zen 3) cores: there a second block, two ahead,
+   into L2 took 16 keys per head from 313-355 to 266-283 ns (64 rows of 300 to 700 keys,
+   blocks shuffled over a 1 GB cache). Not measured on the AVX-512 CPUs, whose builds keep
+   the one block (earlier changes to its distance moved them by under 5 % or worse). */
+#if defined(__AVX512F__)
+#define FAR_PREFETCH 0
+#else
+#define FAR_PREFETCH 1
+#endif
+
 /* One (row, kv head): chunks = dim / 16, a constant where the caller inlines it. */
 static inline __attribute__((always_inline)) void attend(
     const uint16_t *q, const uint16_t *keys, const uint16_t *values, const int32_t *table,
@@ -258,7 +289,7 @@ static inline __attribute__((always_inline)) void attend(
     for (int g = 0; g < group; g++) {
         for (int c = 0; c < chunks; c++) {
             if (!paired)
-                query[g][c] = vf_mul(load_bf16x16(q + g * dim + 16 * c), vf_set1(scale));
+                query[g][c] = vf_mul(load_bf16x16_unordered(q + g * dim + 16 * c), vf_set1(scale));
             acc[g][c] = vf_zero();
         }
 #if DOT_BF16
@@ -285,6 +316,15 @@ static inline __attribute__((always_inline)) void attend(
                 _mm_prefetch(next_keys + byte, _MM_HINT_T0);
                 _mm_prefetch(next_values + byte, _MM_HINT_T0);
             }
+#if FAR_PREFETCH
+            if (next + 16 < length) { /* and the block after it into L2 */
+                const long far = chunk_offset(table, next + 16, block_size, dim);
+                for (int byte = 0; byte < 16 * dim * 2; byte += 64) {
+                    _mm_prefetch((const char *)(keys + far) + byte, _MM_HINT_T1);
+                    _mm_prefetch((const char *)(values + far) + byte, _MM_HINT_T1);
+                }
+            }
+#endif
         }
         /* Each key's 16-lane partial dot products, summed 16 keys at a time by sum16: with
            the cache in L1 the kernel runs 10 % faster than with a horizontal sum per key;
@@ -306,7 +346,8 @@ static inline __attribute__((always_inline)) void attend(
             }
 #endif
             vf16 key[MAX_CHUNKS];
-            for (int c = 0; c < chunks; c++) key[c] = load_bf16x16(keys + offset + t * dim + 16 * c);
+            for (int c = 0; c < chunks; c++)
+                key[c] = load_bf16x16_unordered(keys + offset + t * dim + 16 * c);
             for (int g = 0; g < group; g++) {
                 vf16 dot = vf_mul(query[g][0], key[0]);
                 for (int c = 1; c < chunks; c++) dot = vf_fmadd(query[g][c], key[c], dot);
@@ -359,13 +400,18 @@ static inline __attribute__((always_inline)) void attend(
             continue;
         }
 #endif
-        for (int t = 0; t < count; t++) {
-            vf16 value[MAX_CHUNKS];
-            for (int c = 0; c < chunks; c++) value[c] = load_bf16x16(values + offset + t * dim + 16 * c);
-            for (int g = 0; g < group; g++) {
-                const vf16 p = vf_set1(scores[g][t]);
-                for (int c = 0; c < chunks; c++) acc[g][c] = vf_fmadd(p, value[c], acc[g][c]);
+        /* One 16-dim chunk of V at a time across the block's keys: the group's accumulators
+           for that chunk stay in registers (AVX2 has 16: all of them across a key would
+           spill and reload on every key). */
+        for (int c = 0; c < chunks; c++) {
+            vf16 sums[MAX_GROUP];
+            for (int g = 0; g < group; g++) sums[g] = acc[g][c];
+            for (int t = 0; t < count; t++) {
+                const vf16 value = load_bf16x16_unordered(values + offset + t * dim + 16 * c);
+                for (int g = 0; g < group; g++)
+                    sums[g] = vf_fmadd(vf_set1(scores[g][t]), value, sums[g]);
             }
+            for (int g = 0; g < group; g++) acc[g][c] = sums[g];
         }
         position = next;
     }
@@ -379,7 +425,7 @@ static inline __attribute__((always_inline)) void attend(
         float row[16 * MAX_CHUNKS];
         const vf16 inverse = vf_set1(1.f / running_sum[g]);
         for (int c = 0; c < chunks; c++) {
-            vf16 v = acc[g][c];
+            vf16 v = paired ? acc[g][c] : in_order(acc[g][c]);
 #if DOT_BF16
             if (paired) {
                 const __m512 low = acc[g][c & ~1], high = acc[g][c | 1];
