@@ -7,9 +7,27 @@ is cheap next to the model step.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from engine.models import decode_attention
 from engine.sequence import Sequence, TokenLogprob
+
+
+@functools.cache
+def _argmax_kernel() -> decode_attention.ArgmaxKernel | None:
+    return decode_attention.load_argmax()
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's first maximum: the C kernel on CPU fp32 logits, else max's indices (the
+    same first maximum as argmax, about 2.5x faster on CPU)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        kernel = _argmax_kernel()
+        if kernel is not None:
+            return kernel(logits)
+    return logits.max(dim=-1).indices.tolist()
 
 
 def _apply_penalties(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
@@ -48,9 +66,9 @@ def sample(
     logits: torch.Tensor, seqs: list[Sequence]
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [len(seqs), vocab] fp32. Returns token ids and (when asked) their logprobs."""
-    # max's indices: the same first maximum as argmax, about 2.5x faster on CPU (a 64-row
-    # step's argmax over 49k logits took 4 ms of 60)
-    tokens: list[int] = logits.max(dim=-1).indices.tolist()
+    # every row's greedy token, replaced below for the rows that sample (a 64-row step's
+    # torch.argmax over 49k logits took 4 ms of 60)
+    tokens = greedy_tokens(logits)
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)
     wants_logprobs = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
     raw_logprobs = torch.log_softmax(logits[wants_logprobs], dim=-1) if wants_logprobs else None

@@ -48,6 +48,7 @@ static inline vf16 vf_mul(vf16 a, vf16 b) { return _mm512_mul_ps(a, b); }
 static inline vf16 vf_div(vf16 a, vf16 b) { return _mm512_div_ps(a, b); }
 static inline vf16 vf_fmadd(vf16 a, vf16 b, vf16 c) { return _mm512_fmadd_ps(a, b, c); }
 static inline void vf_store(float *p, vf16 v) { _mm512_storeu_ps(p, v); }
+static inline vf16 vf_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline float vf_sum(vf16 v) { return _mm512_reduce_add_ps(v); }
 static inline float vf_max(vf16 v) { return _mm512_reduce_max_ps(v); }
 static inline vf16 vf_max2(vf16 a, vf16 b) { return _mm512_max_ps(a, b); }
@@ -125,6 +126,9 @@ static inline vf16 vf_fmadd(vf16 a, vf16 b, vf16 c) {
 static inline void vf_store(float *p, vf16 v) {
     _mm256_storeu_ps(p, v.lo);
     _mm256_storeu_ps(p + 8, v.hi);
+}
+static inline vf16 vf_load(const float *p) {
+    return vf_pair(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
 }
 static inline float hsum8(__m256 v) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -264,17 +268,16 @@ static inline long chunk_offset(const int32_t *table, int position, int block_si
 #define DOT_BF16 0
 #endif
 
-/* Blocks scattered over the cache (a long-running engine's free list hands them out in
-   no order) defeat the hardware prefetcher, and one block of software prefetch ahead did
-   not cover DRAM's latency on AMD EPYC (Zen 3) cores: there a second block, two ahead,
-   into L2 took 16 keys per head from 313-355 to 266-283 ns (64 rows of 300 to 700 keys,
-   blocks shuffled over a 1 GB cache). Not measured on the AVX-512 CPUs, whose builds keep
-   the one block (earlier changes to its distance moved them by under 5 % or worse). */
-#if defined(__AVX512F__)
-#define FAR_PREFETCH 0
-#else
-#define FAR_PREFETCH 1
-#endif
+/* The next two 16-key chunks of K and V are prefetched into L2, not L1. Into L1 (as this
+   kernel did first), 64 lines a chunk held the core's few L1 miss buffers and the loads
+   waited behind them: on AMD EPYC (Zen 4), 64 rows of 300 to 700 keys over a 1 GB cache,
+   16 keys per kv head took 176-193 ns with each row's blocks in order and 249-266 ns
+   shuffled, against 217-263 and 389-411 ns with one chunk into L1 (alternated in one
+   process; with every block in L2 about 125 ns). The AVX2 build of the same kernel on the
+   same CPU: 286 -> 204 ns in order, 346 -> 309 shuffled. The second chunk ahead is what
+   covers DRAM's latency where blocks are scattered and the hardware prefetcher cannot
+   follow. */
+#define PREFETCH_CHUNKS 2
 
 /* One (row, kv head): chunks = dim / 16, a constant where the caller inlines it. */
 static inline __attribute__((always_inline)) void attend(
@@ -308,23 +311,15 @@ static inline __attribute__((always_inline)) void attend(
         if (count > length - position) count = length - position;
         const long offset = chunk_offset(table, position, block_size, dim);
         const int next = position + count;
-        if (next < length) {
-            const long next_offset = chunk_offset(table, next, block_size, dim);
-            const char *next_keys = (const char *)(keys + next_offset);
-            const char *next_values = (const char *)(values + next_offset);
+        for (int ahead = next; ahead < next + 16 * PREFETCH_CHUNKS && ahead < length;
+             ahead += 16) {
+            const long ahead_offset = chunk_offset(table, ahead, block_size, dim);
+            const char *ahead_keys = (const char *)(keys + ahead_offset);
+            const char *ahead_values = (const char *)(values + ahead_offset);
             for (int byte = 0; byte < 16 * dim * 2; byte += 64) {
-                _mm_prefetch(next_keys + byte, _MM_HINT_T0);
-                _mm_prefetch(next_values + byte, _MM_HINT_T0);
+                _mm_prefetch(ahead_keys + byte, _MM_HINT_T1);
+                _mm_prefetch(ahead_values + byte, _MM_HINT_T1);
             }
-#if FAR_PREFETCH
-            if (next + 16 < length) { /* and the block after it into L2 */
-                const long far = chunk_offset(table, next + 16, block_size, dim);
-                for (int byte = 0; byte < 16 * dim * 2; byte += 64) {
-                    _mm_prefetch((const char *)(keys + far) + byte, _MM_HINT_T1);
-                    _mm_prefetch((const char *)(values + far) + byte, _MM_HINT_T1);
-                }
-            }
-#endif
         }
         /* Each key's 16-lane partial dot products, summed 16 keys at a time by sum16: with
            the cache in L1 the kernel runs 10 % faster than with a horizontal sum per key;
@@ -566,6 +561,72 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int width, 
 #pragma omp parallel for num_threads(threads) if (rows >= 16)
     for (int row = 0; row < rows; row++)
         silu_mul_row(gate_up + (long)row * 2 * width, out + (long)row * width, width);
+}
+
+/* Greedy sampling: each row's index of its first maximum, as torch.max(dim=-1).indices
+   gives (a NaN counts as the maximum, its first one wins). torch's reduction with indices
+   is scalar: one row of 49k logits took it 47 us in cache, here 6. Right after a decode
+   step (AMD EPYC, 2 threads) torch took 110-150 us and this 37: half of the logits come
+   from the other core's cache. Splitting a row between the two threads was slower (about
+   100 us): the OpenMP team has gone to sleep by then, and waking it costs more. */
+#if defined(__AVX512F__)
+static inline int first_equal16(const float *p, float value) { /* -1: none of 16 */
+    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(p), _mm512_set1_ps(value), _CMP_EQ_OQ);
+    return hit ? __builtin_ctz(hit) : -1;
+}
+#else
+static inline int first_equal16(const float *p, float value) {
+    const __m256 target = _mm256_set1_ps(value);
+    const int low = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p), target, _CMP_EQ_OQ));
+    const int high = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + 8), target, _CMP_EQ_OQ));
+    const int hit = low | high << 8;
+    return hit ? __builtin_ctz(hit) : -1;
+}
+#endif
+
+typedef struct {
+    float value;   /* the span's maximum */
+    int32_t index; /* its first index, or the first NaN's; -1 for an empty span */
+    int32_t nan;
+} span_best;
+
+/* One pass finds the maximum and whether there is a NaN (x - x is NaN for NaN and
+   infinities; those are settled one value at a time), a second the first index. */
+static span_best argmax_span(const float *x, int lo, int hi) {
+    span_best best = {-INFINITY, -1, 0};
+    if (lo >= hi) return best;
+    const int whole = lo + (hi - lo) / 64 * 64;
+    vf16 top[4] = {vf_set1(-INFINITY), vf_set1(-INFINITY), vf_set1(-INFINITY), vf_set1(-INFINITY)};
+    vf16 nans = vf_zero();
+    for (int i = lo; i < whole; i += 64)
+        for (int j = 0; j < 4; j++) {
+            const vf16 v = vf_load(x + i + 16 * j);
+            top[j] = vf_max2(top[j], v);
+            nans = vf_add(nans, vf_sub(v, v));
+        }
+    float value = vf_max(vf_max2(vf_max2(top[0], top[1]), vf_max2(top[2], top[3])));
+    int odd = vf_sum(nans) != vf_sum(nans);
+    for (int i = whole; i < hi; i++) {
+        odd |= x[i] != x[i];
+        if (x[i] > value) value = x[i];
+    }
+    if (odd)
+        for (int i = lo; i < hi; i++)
+            if (x[i] != x[i]) return (span_best){x[i], i, 1};
+    best.value = value;
+    int i = lo;
+    for (; i + 16 <= hi; i += 16) {
+        const int lane = first_equal16(x + i, value);
+        if (lane >= 0) return (best.index = i + lane, best);
+    }
+    for (; i < hi; i++)
+        if (x[i] == value) return (best.index = i, best);
+    return (best.index = lo, best); /* not reached: the maximum is one of the values */
+}
+
+void argmax_rows_f32(const float *x, int rows, int n, int32_t *out, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows >= 8)
+    for (int row = 0; row < rows; row++) out[row] = argmax_span(x + (long)row * n, 0, n).index;
 }
 
 /* ---- The decode step for a few rows: every layer in one call ------------------------------

@@ -295,6 +295,20 @@ class SiluMulKernel:
         return out
 
 
+class ArgmaxKernel:
+    def __init__(self, library: ctypes.CDLL):
+        self.function = bind(library, "argmax_rows_f32", [POINTER, C_INT, C_INT, POINTER, C_INT])
+
+    def __call__(self, logits: torch.Tensor) -> list[int]:
+        """logits: [rows, vocab] fp32, contiguous, on the CPU -> each row's first maximum."""
+        rows, vocab = logits.shape
+        if logits.dtype != torch.float32 or not logits.is_contiguous() or logits.is_cuda:
+            raise ValueError("argmax needs contiguous fp32 logits on the CPU")
+        out = torch.empty(rows, dtype=torch.int32)
+        self.function(logits.data_ptr(), rows, vocab, out.data_ptr(), torch.get_num_threads())
+        return out.tolist()
+
+
 LINEAR_TILE, LINEAR_DEPTH = 16, 32  # the packed weight layout of linear_rows (C)
 STEP_MAX_ROWS = 4  # decode steps of up to this many rows run in decode_step_bf16
 # With AMX, linear_rows also takes steps of this many rows, where it beats oneDNN's matmul
@@ -502,6 +516,12 @@ def load_silu_mul() -> SiluMulKernel | None:
     """SwiGLU's silu(gate) * up in one pass, or None where it cannot run."""
     lib = library()
     return None if lib is None else SiluMulKernel(lib)
+
+
+def load_argmax() -> ArgmaxKernel | None:
+    """Each row's first maximum over fp32 logits, or None where it cannot run."""
+    lib = library()
+    return None if lib is None else ArgmaxKernel(lib)
 
 
 def has_decode_step() -> bool:

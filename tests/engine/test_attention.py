@@ -1,5 +1,5 @@
 """The bf16 CPU kernels against plain references, alone and inside the model: the fused
-decode attention and the residual add fused with RMSNorm."""
+decode attention, the residual add fused with RMSNorm, and greedy sampling's argmax."""
 
 from __future__ import annotations
 
@@ -173,6 +173,26 @@ def test_silu_mul_matches_the_torch_ops(rows: int):
     assert (out == expected).float().mean().item() > 0.99
     with pytest.raises(ValueError):
         silu_mul(gate_up.float())
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("vocab", [49152, 1000, 7])
+def test_argmax_gives_each_rows_first_maximum(rows: int, vocab: int):
+    argmax = decode_attention.load_argmax()
+    assert argmax is not None
+    generator = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=generator)
+    # coarse values: many ties, so the first of equal maxima must win
+    logits = (logits * 2).round()
+    if rows > 1:
+        logits[1] = float("-inf")  # all -inf: index 0
+        logits[-1, vocab // 2] = float("nan")  # a NaN is the maximum, as torch says
+        logits[-1, vocab - 1] = float("nan")
+    assert argmax(logits) == logits.max(dim=-1).indices.tolist()
+    assert argmax(logits) == logits.argmax(dim=-1).tolist()
+    with pytest.raises(ValueError):
+        argmax(logits.to(torch.bfloat16))
 
 
 def engine_for(tiny_llama: Path, use_kernel: bool) -> LLMEngine:

@@ -1,16 +1,19 @@
-"""Linear layers keep one plain copy of a matrix only where nothing else can serve it."""
+"""Linear layers keep one plain copy of a matrix only where nothing else can serve it; the
+KV cache asks for huge pages."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, LlamaConfig
 from engine.llm_engine import LLMEngine
 from engine.models import decode_attention
 from engine.models.layers import Linear
+from engine.models.llama import KVCache, advise_huge_pages
 from engine.sequence import SamplingParams, Sequence
 
 ROW_COUNTS = [1, 2, 3, 4, 5, 8, 64]
@@ -108,3 +111,14 @@ def test_a_loaded_bf16_model_keeps_the_plain_copy_of_the_embedding_only(tiny_lla
     while not all(seq.is_finished for seq in seqs):
         engine._step(record=False)
     assert [seq.num_output_tokens for seq in seqs] == [6, 6]
+
+
+def test_kv_cache_asks_for_huge_pages_and_starts_zeroed():
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16,
+    )  # fmt: skip
+    cache = KVCache(config, 1024, 16, torch.bfloat16, torch.device("cpu"))  # 4 MiB
+    assert cache.huge_pages == (sys.platform == "linux")
+    assert not cache.kv.any()
+    assert not advise_huge_pages(torch.empty(1024))  # no whole 2 MiB page inside
