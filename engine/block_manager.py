@@ -83,6 +83,8 @@ class BlockManager:
         while length < room and evicted < room and self.evictable:
             evicted += self._evict_oldest()
             start, length = _largest_run(self.uncached)
+        if length == 0:
+            raise RuntimeError("no free KV cache block: the caller must check availability")
         if start == 0:  # no sequence ends before it
             return 0
         return start + max(0, length - room) // 2
