@@ -352,6 +352,9 @@ class KernelCeilings:
     batched_flops: float  # FLOP/s of a pass at the step's token budget in rows
     batched_rows: int
     gemv_seconds: float  # one pass at a single row, as the decode runs it: a decode step's floor
+    # GB/s of torch's sum over the matrices the decode step reads (None without the step
+    # kernel): a read of the weights where they lie, beside the roofline's fresh buffer
+    weights_read_gbs: float | None = None
 
     def flops(self, rows: int, tokens: int, outputs: int, config: Any) -> float:
         """FLOPs of `rows` sequences that each compute `tokens` tokens, `outputs` of them
@@ -411,6 +414,20 @@ def measure_ceilings(model: Any, rows: int) -> KernelCeilings:
             best = min(best, time.perf_counter() - started)
         return best
 
+    def weights_read(repeats: int) -> float | None:
+        """torch's sum over the step kernel's packed matrices, one after another."""
+        step = model.step_kernel
+        if step is None:
+            return None
+        packed = [t for t in step.tensors if t.dim() == 4]
+        best = float("inf")
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            for t in packed:
+                t.sum()
+            best = min(best, time.perf_counter() - started)
+        return sum(t.numel() * t.element_size() for t in packed) / best / 1e9
+
     batched = best_pass(rows, 3)
     return KernelCeilings(
         layer_params=layer_params,
@@ -418,6 +435,7 @@ def measure_ceilings(model: Any, rows: int) -> KernelCeilings:
         batched_flops=2 * rows * (layer_params + head_params) / batched,
         batched_rows=rows,
         gemv_seconds=single_row_pass(10),
+        weights_read_gbs=weights_read(5),
     )
 
 
@@ -516,6 +534,14 @@ def measure(options: Options) -> dict[str, Any]:
           f"{ceilings.gemv_seconds * 1000:.1f} ms = {gemv_rate:.1f} tok/s = "
           f"{gemv_rate / roofline:.2f} of the roofline; the decode reaches "
           f"{local.decode_rate / gemv_rate:.2f} of it", flush=True)  # fmt: skip
+    if ceilings.weights_read_gbs is not None:
+        # A fresh 512 MiB buffer's read moved between 28 and 56 GB/s from one allocation to
+        # the next on the AMD EPYC VM while the weights read 23 to 25: this says which.
+        weights_rate = ceilings.weights_read_gbs * 1e9 / local.weight_bytes
+        print(f"the weights where they lie: torch's sum over the matrices the decode reads "
+              f"{ceilings.weights_read_gbs:.1f} GB/s ({ceilings.weights_read_gbs / bandwidth:.2f} "
+              f"of the roofline's read); the decode reaches {local.decode_rate / weights_rate:.2f} "
+              "of that rate", flush=True)  # fmt: skip
     config = local.config
     ceiling_seconds = (
         ceilings.useful_flops(workload.prompts, workload.max_tokens, config)

@@ -116,8 +116,8 @@ class KVCache:
             config.head_dim,
         )
         self.kv = torch.empty(shape, dtype=dtype, device=device)
-        if device.type == "cpu":
-            self.huge_pages = advise_huge_pages(self.kv)  # before the pages are touched
+        # asked before the pages are touched
+        self.huge_pages = device.type == "cpu" and advise_huge_pages(self.kv)
         # zeros, not garbage: padded decode rows read unused slots (scores masked to -inf,
         # probabilities 0), and NaN - inf or 0 * NaN would still be NaN.
         self.kv.zero_()
