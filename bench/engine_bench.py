@@ -395,38 +395,41 @@ def measure_ceilings(model: Any, rows: int) -> KernelCeilings:
                 best = min(best, time.perf_counter() - started)
         return best
 
+    # the step kernel's packed matrices, [tiles, in / 32, 16, 32] each, as a decode reads them
+    step = model.step_kernel
+    step_matrices = None if step is None else [t for t in step.tensors if t.dim() == 4]
+
     def single_row_pass(repeats: int) -> float:
         """The pass a one-row decode step makes: the few-row kernel on the step kernel's
         packed matrices where the model has it, else the Linear modules at one row."""
         from engine.models import decode_attention
 
-        step, kernel = model.step_kernel, decode_attention.load_linear_rows()
-        if step is None or kernel is None:
+        kernel = decode_attention.load_linear_rows()
+        if step_matrices is None or kernel is None:
             return best_pass(1, repeats)
-        packed = [t for t in step.tensors if t.dim() == 4]  # [tiles, in / 32, 16, 32]
         depth = decode_attention.LINEAR_DEPTH
-        inputs = {t.shape[1]: torch.randn(1, t.shape[1] * depth).to(torch.bfloat16) for t in packed}
+        inputs = {
+            t.shape[1]: torch.randn(1, t.shape[1] * depth).to(torch.bfloat16) for t in step_matrices
+        }
         best = float("inf")
         for _ in range(repeats + 1):
             started = time.perf_counter()
-            for t in packed:
+            for t in step_matrices:
                 kernel(inputs[t.shape[1]], t, t.shape[0] * decode_attention.LINEAR_TILE)
             best = min(best, time.perf_counter() - started)
         return best
 
     def weights_read(repeats: int) -> float | None:
         """torch's sum over the step kernel's packed matrices, one after another."""
-        step = model.step_kernel
-        if step is None:
+        if step_matrices is None:
             return None
-        packed = [t for t in step.tensors if t.dim() == 4]
         best = float("inf")
         for _ in range(repeats + 1):
             started = time.perf_counter()
-            for t in packed:
+            for t in step_matrices:
                 t.sum()
             best = min(best, time.perf_counter() - started)
-        return sum(t.numel() * t.element_size() for t in packed) / best / 1e9
+        return sum(t.numel() * t.element_size() for t in step_matrices) / best / 1e9
 
     batched = best_pass(rows, 3)
     return KernelCeilings(
