@@ -726,39 +726,24 @@ static void linear_rows(const uint16_t *x, const uint16_t *packed, uint16_t *y, 
     }
 }
 
-/* ---- The same product on AMX tiles, for more rows than the decode step's few --------------
+/* ---- The same product on tiles, for more rows than the decode step's few ------------------
 
    A packed weight block (16 outputs x 32 inputs) is AMX's A tile as it lies, so the tiles
    compute y's transpose: C[16 outputs][16 rows] += W block . B, where B holds 16 rows' 32
    inputs as 16 pairs of inputs by 16 rows (VNNI order), that is x's 16 x 32 block seen as
-   16 x 16 32-bit pairs and transposed. Each weight block is read once per 64 rows (four C
-   tiles); the C tiles are transposed back to y's rows on the way out. */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define AMX_ROWS 64 /* rows per pass over the weight: four C tiles */
-
-static int amx_enabled = 0;
-
-/* Linux hands out AMX's tile state only to a process that asks; 0 when it may use it. */
-int amx_enable(void) {
-    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    amx_enabled = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return amx_enabled ? 0 : -1;
-}
+   16 x 16 32-bit pairs and transposed. The C tiles are transposed back to y's rows on the
+   way out. With AMX (Intel Xeon since Sapphire Rapids) the tiles are the hardware's; with
+   avx512_bf16 alone (AMD Zen 4, Intel Cooper Lake) the same product runs on vdpbf16ps,
+   one register per output holding its 16 rows (vnni_tiles below). */
+#if DOT_BF16
+#define ROW_TILES 1
+#define TILE_PASS_ROWS 64 /* rows per pass over the weight: four C tiles */
 
 /* Tiles of 16 rows in the pass that starts at row `first`. */
 static inline int row_tiles(int first, int rows) {
-    const int count = rows - first < AMX_ROWS ? rows - first : AMX_ROWS;
+    const int count = rows - first < TILE_PASS_ROWS ? rows - first : TILE_PASS_ROWS;
     return (count + 15) / 16;
 }
-
-typedef struct __attribute__((packed, aligned(64))) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-} tile_config;
 
 /* A 16 x 16 matrix of 32-bit values transposed in registers: pairs, quads, then 128-bit
    lanes twice (64 shuffles instead of 256 scalar moves). */
@@ -790,9 +775,9 @@ static inline void transpose16(__m512 r[16]) {
     }
 }
 
-/* B tiles of x's rows [first, first + 64): per (row tile, input block) 16 x 16 pairs, rows
-   past the end zero. */
-static void amx_pack_rows(const uint16_t *x, uint32_t *b, int first, int rows, int in) {
+/* B tiles of x's rows [first, first + TILE_PASS_ROWS): per (row tile, input block) 16 x 16
+   pairs, rows past the end zero. */
+static void tile_pack_rows(const uint16_t *x, uint32_t *b, int first, int rows, int in) {
     const int blocks = in / LINEAR_DEPTH, tiles = row_tiles(first, rows);
 #pragma omp for schedule(static)
     for (int item = 0; item < tiles * blocks; item++) {
@@ -809,13 +794,91 @@ static void amx_pack_rows(const uint16_t *x, uint32_t *b, int first, int rows, i
     }
 }
 
+/* C [16 outputs][16 rows] of output tile `tile` and rows [row0, row0 + 16) into y (bf16) or
+   y32 (bf16-rounded fp32), rows past `rows` and the last tile's padding outputs left out. */
+static inline void store_c_tile(const float *c, uint16_t *y, float *y32, int row0, int rows,
+                                int tile, int out) {
+    __m512 r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(c + 16 * i);
+    transpose16(r); /* r[i]: row row0 + i, this tile's 16 outputs */
+    const int left = out - tile * LINEAR_TILE;
+    const __mmask16 mask = left >= LINEAR_TILE ? 0xffff : (__mmask16)((1u << left) - 1);
+    for (int i = 0; i < 16 && row0 + i < rows; i++) {
+        const __m256i sums = bf16x16_from(r[i]);
+        const long at = (long)(row0 + i) * out + (long)tile * LINEAR_TILE;
+        if (y32)
+            _mm512_mask_storeu_ps(y32 + at, mask, widen_bf16x16(sums));
+        else
+            _mm256_mask_storeu_epi16(y + at, mask, sums);
+    }
+}
+
+/* The tile product on vdpbf16ps: for each row tile, one register per output of the tile
+   holds its 16 rows, and each step adds (pair p of 16 rows) . (the output's pair p,
+   broadcast from the weight block). 256 vdpbf16ps per block and row tile, each with its
+   broadcast load, and one load of B per 16 of them: the units' peak where one vdpbf16ps
+   issues per cycle. The weight tile (16 outputs x in) is read from memory for the first
+   row tile and from cache for the others. */
+static void vnni_tiles(const uint32_t *b, const uint16_t *packed, uint16_t *y, float *y32,
+                       int first, int rows, int in, int out) {
+    const int blocks = in / LINEAR_DEPTH, tiles = row_tiles(first, rows);
+    const int out_tiles = (out + LINEAR_TILE - 1) / LINEAR_TILE;
+    float c[256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+    for (int tile = 0; tile < out_tiles; tile++) {
+        const uint16_t *weights = packed + (long)tile * LINEAR_TILE * in;
+        for (int m = 0; m < tiles; m++) {
+            __m512 acc[LINEAR_TILE];
+            for (int o = 0; o < LINEAR_TILE; o++) acc[o] = _mm512_setzero_ps();
+            const uint32_t *w = (const uint32_t *)weights; /* [16 outputs][16 pairs] a block */
+            const uint32_t *pairs = b + (long)m * blocks * 256;
+            for (int k = 0; k < blocks; k++, w += 256, pairs += 256) {
+                if (m == 0)
+                    for (int line = 0; line < LINEAR_TILE; line++)
+                        _mm_prefetch((const char *)(w + LINEAR_PREFETCH / 2 + line * 16),
+                                     _MM_HINT_T1);
+                for (int p = 0; p < 16; p++) {
+                    const __m512bh rows16 = (__m512bh)_mm512_loadu_si512(pairs + 16 * p);
+#pragma GCC unroll 16
+                    for (int o = 0; o < LINEAR_TILE; o++)
+                        acc[o] = _mm512_dpbf16_ps(
+                            acc[o], rows16, (__m512bh)_mm512_set1_epi32((int)w[16 * o + p]));
+                }
+            }
+            for (int o = 0; o < LINEAR_TILE; o++) _mm512_store_ps(c + 16 * o, acc[o]);
+            store_c_tile(c, y, y32, first + 16 * m, rows, tile, out);
+        }
+    }
+}
+#endif
+
+#if DOT_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static int amx_enabled = 0;
+
+/* Linux hands out AMX's tile state only to a process that asks; 0 when it may use it. */
+int amx_enable(void) {
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    amx_enabled = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_enabled ? 0 : -1;
+}
+
+typedef struct __attribute__((packed, aligned(64))) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} tile_config;
+
 #define AMX_STEP(c, bt, m)                                                          \
     if (m < tiles) {                                                                \
         _tile_loadd(bt, b + ((long)(m) * blocks + k) * 256, 64);                     \
         _tile_dpbf16ps(c, 0, bt);                                                   \
     }
 
-/* y rows [first, first + 64) for the output tiles this thread takes. */
+/* y rows [first, first + 64) for the output tiles this thread takes: each weight block is
+   read once for the pass's four C tiles. */
 static void amx_tiles(const uint32_t *b, const uint16_t *packed, uint16_t *y, float *y32,
                       int first, int rows, int in, int out) {
     const int blocks = in / LINEAR_DEPTH, tiles = row_tiles(first, rows);
@@ -845,47 +908,51 @@ static void amx_tiles(const uint32_t *b, const uint16_t *packed, uint16_t *y, fl
         _tile_stored(3, c[1], 64);
         _tile_stored(4, c[2], 64);
         _tile_stored(5, c[3], 64);
-        const int left = out - tile * LINEAR_TILE;
-        for (int m = 0; m < tiles; m++) {
-            __m512 r[16];
-            for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(c[m] + 16 * i);
-            transpose16(r); /* r[i]: row first + 16 m + i, this tile's 16 outputs */
-            const __mmask16 mask = left >= LINEAR_TILE ? 0xffff : (__mmask16)((1u << left) - 1);
-            for (int i = 0; i < 16 && first + 16 * m + i < rows; i++) {
-                const __m256i sums = bf16x16_from(r[i]);
-                const long at = (long)(first + 16 * m + i) * out + (long)tile * LINEAR_TILE;
-                if (y32)
-                    _mm512_mask_storeu_ps(y32 + at, mask, widen_bf16x16(sums));
-                else
-                    _mm256_mask_storeu_epi16(y + at, mask, sums);
-            }
-        }
+        for (int m = 0; m < tiles; m++) store_c_tile(c[m], y, y32, first + 16 * m, rows, tile, out);
     }
     _tile_release();
 }
-
-/* Scratch for the B tiles of up to `rows` rows of `in` inputs, where AMX takes that many
-   rows (more than a decode step's few); NULL otherwise, or when out of memory. */
-static uint32_t *amx_scratch(int rows, int in) {
-    if (!amx_enabled || rows <= 4) return NULL;
-    const int chunk = rows < AMX_ROWS ? rows : AMX_ROWS;
-    return aligned_alloc(64, (size_t)((chunk + 15) / 16) * in * 16 * sizeof(uint16_t));
-}
 #else
-static uint32_t *amx_scratch(int rows, int in) {
-    (void)rows, (void)in;
-    return NULL;
-}
+static const int amx_enabled = 0;
 #endif
 
-/* linear_rows, on AMX tiles where amx_scratch gave scratch b (inside a parallel region). */
+/* 2: the tiles are AMX's; 1: they run on vdpbf16ps; 0: no tiles (more than a decode step's
+   few rows are left to oneDNN). */
+int row_tiles_kind(void) {
+#if DOT_BF16
+    return amx_enabled ? 2 : 1;
+#else
+    return 0;
+#endif
+}
+
+/* Scratch for the B tiles of up to `rows` rows of `in` inputs, where tiles take that many
+   rows (more than a decode step's few); NULL otherwise, or when out of memory. */
+static uint32_t *tile_scratch(int rows, int in) {
+#if DOT_BF16
+    if (rows <= 4) return NULL;
+    const int chunk = rows < TILE_PASS_ROWS ? rows : TILE_PASS_ROWS;
+    return aligned_alloc(64, (size_t)((chunk + 15) / 16) * in * 16 * sizeof(uint16_t));
+#else
+    (void)rows, (void)in;
+    return NULL;
+#endif
+}
+
+/* linear_rows, on tiles where tile_scratch gave scratch b (inside a parallel region). */
 static void linear_stage(const uint16_t *x, const uint16_t *packed, uint16_t *y, float *y32,
                          int rows, int in, int out, uint32_t *b) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if DOT_BF16
     if (b) {
-        for (int first = 0; first < rows; first += AMX_ROWS) {
-            amx_pack_rows(x, b, first, rows, in); /* its barrier: b is ready */
-            amx_tiles(b, packed, y, y32, first, rows, in, out); /* its barrier: b is free */
+        for (int first = 0; first < rows; first += TILE_PASS_ROWS) {
+            tile_pack_rows(x, b, first, rows, in); /* its barrier: b is ready */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+            if (amx_enabled) {
+                amx_tiles(b, packed, y, y32, first, rows, in, out); /* its barrier: b is free */
+                continue;
+            }
+#endif
+            vnni_tiles(b, packed, y, y32, first, rows, in, out); /* its barrier: b is free */
         }
         return;
     }
@@ -895,10 +962,11 @@ static void linear_stage(const uint16_t *x, const uint16_t *packed, uint16_t *y,
 }
 
 /* x: [rows, in], W packed from [out, in] (in % 32 == 0), y: [rows, out]. More than a decode
-   step's few rows run on AMX where the CPU has it and amx_enable() succeeded. */
+   step's few rows run on tiles where the CPU has avx512_bf16 (AMX's where it has them and
+   amx_enable() succeeded). */
 void linear_rows_bf16(const uint16_t *x, const uint16_t *packed, uint16_t *y, int rows, int in,
                       int out, int threads) {
-    uint32_t *b = amx_scratch(rows, in);
+    uint32_t *b = tile_scratch(rows, in);
 #pragma omp parallel num_threads(threads)
     linear_stage(x, packed, y, NULL, rows, in, out, b);
     free(b);
@@ -935,7 +1003,7 @@ int decode_step_bf16(const step_shape *m, const uint16_t *const *weights, uint16
     uint16_t *activated = gate_up + (long)rows * 2 * m->intermediate;
     int widest = hidden > m->intermediate ? hidden : m->intermediate;
     if (m->heads * dim > widest) widest = m->heads * dim;
-    uint32_t *b = amx_scratch(rows, widest); /* NULL: the vector kernel */
+    uint32_t *b = tile_scratch(rows, widest); /* NULL: the vector kernel */
 #pragma omp parallel num_threads(threads)
     for (int layer = 0; layer <= m->layers; layer++) {
         const uint16_t *const *w = weights + (long)layer * PER_LAYER;

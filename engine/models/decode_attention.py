@@ -311,8 +311,9 @@ class ArgmaxKernel:
 
 LINEAR_TILE, LINEAR_DEPTH = 16, 32  # the packed weight layout of linear_rows (C)
 STEP_MAX_ROWS = 4  # decode steps of up to this many rows run in decode_step_bf16
-# With AMX, linear_rows also takes steps of this many rows, where it beats oneDNN's matmul
-AMX_ROWS = (STEP_MAX_ROWS + 1, 64)
+# With tiles (row_tiles), linear_rows also takes steps of this many rows, where it beats
+# oneDNN's matmul, and so does decode_step_bf16
+TILE_ROWS = (STEP_MAX_ROWS + 1, 64)
 
 
 def pack_rows(weight: torch.Tensor) -> torch.Tensor:
@@ -329,7 +330,7 @@ def pack_rows(weight: torch.Tensor) -> torch.Tensor:
 
 class LinearRowsKernel:
     """x @ W.T for bf16 rows against a weight packed by pack_rows: a few rows on vector
-    registers, more on AMX tiles where the CPU has them (has_amx)."""
+    registers, more on tiles where the CPU has avx512_bf16 (row_tiles)."""
 
     def __init__(self, library: ctypes.CDLL):
         self.function = bind(
@@ -375,7 +376,7 @@ class StepLayer:
 class DecodeStepKernel:
     """A whole decode step in one call: every layer's norms, linears, rotary + cache write
     and attention, then the final norm and the vocabulary projection. Up to STEP_MAX_ROWS
-    rows on vector registers, or with AMX up to AMX_ROWS[1] (the linears on tiles). Takes
+    rows on vector registers, or with tiles (row_tiles) up to TILE_ROWS[1]. Takes
     the packed matrices of pack_rows."""
 
     def __init__(
@@ -407,7 +408,7 @@ class DecodeStepKernel:
         )
         self.function.restype = C_INT
         self.shape = shape
-        self.max_rows = AMX_ROWS[1] if has_amx() else STEP_MAX_ROWS
+        self.max_rows = TILE_ROWS[1] if row_tiles() else STEP_MAX_ROWS
         tensors = [t for layer in layers for t in (
             layer.input_norm, layer.qkv, layer.output, layer.post_norm, layer.gate_up, layer.down
         )] + [final_norm, head]  # fmt: skip
@@ -489,9 +490,18 @@ def library() -> ctypes.CDLL | None:
 
 
 def has_amx() -> bool:
-    """Whether linear_rows runs more than a decode step's few rows on AMX tiles."""
+    """Whether the row tiles (row_tiles) are AMX's."""
     library()
     return _amx
+
+
+def row_tiles() -> str | None:
+    """How linear_rows and decode_step_bf16 multiply more than a decode step's few rows
+    (TILE_ROWS): "amx" on AMX tiles, "vnni" on the same tiles' product in vdpbf16ps
+    (avx512_bf16 without AMX), None where they do not (oneDNN's matmul takes them)."""
+    lib = library()
+    kind = 0 if lib is None or not hasattr(lib, "row_tiles_kind") else lib.row_tiles_kind()
+    return {2: "amx", 1: "vnni"}.get(kind)
 
 
 def load() -> DecodeAttentionKernel | None:

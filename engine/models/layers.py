@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.decode_attention import AMX_ROWS, LinearRowsKernel
+from engine.models.decode_attention import TILE_ROWS, LinearRowsKernel
 
 # On CPUs without native bf16 dot products (AVX2, AVX-512 before avx512_bf16), a bf16
 # GEMM runs several times slower than fp32, so batched rows multiply an fp32 copy of
@@ -116,7 +116,7 @@ class Linear(nn.Module):
             return F.linear(x, weight.to(x.dtype)) * self.scale.to(x.dtype)
         wide = self.wide_weight
         if wide is None:  # the storage dtype is the compute dtype
-            low, high = AMX_ROWS
+            low, high = TILE_ROWS
             if self.rows_kernel is not None and low <= rows <= high:
                 assert self.rows_packed is not None
                 return self.rows_kernel(x.contiguous(), self.rows_packed, self.out_features)

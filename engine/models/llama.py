@@ -372,13 +372,14 @@ class LlamaModel(nn.Module):
         usable = cpu and self.storage == "bfloat16" and step_fits and self._pack_rows()
         self.step_kernel = self._decode_step_kernel() if usable else None
         self.step_max_rows = 0 if self.step_kernel is None else self.step_kernel.max_rows
-        # With AMX, steps of more rows than the step kernel's multiply on the packed copies
-        # (linear_rows): faster than oneDNN's matmul up to 64 rows (see docs/engine.md).
-        # With fp32 compute, so do steps of up to 4 rows that are not decode-only (a short
-        # prompt alone): the bf16 copy, read at near the machine's bandwidth.
-        amx = usable and self.compute_dtype == torch.bfloat16 and decode_attention.has_amx()
+        # With tiles (AMX, or their product on avx512_bf16), steps of more rows than the
+        # step kernel's few multiply on the packed copies (linear_rows): faster than
+        # oneDNN's matmul up to 64 rows (see docs/engine.md). With fp32 compute, so do
+        # steps of up to 4 rows that are not decode-only (a short prompt alone): the bf16
+        # copy, read at near the machine's bandwidth.
+        tiles = usable and self.compute_dtype == torch.bfloat16 and decode_attention.row_tiles()
         few_rows = usable and self.compute_dtype == torch.float32
-        rows_kernel = decode_attention.load_linear_rows() if amx or few_rows else None
+        rows_kernel = decode_attention.load_linear_rows() if tiles or few_rows else None
         for linear in self._linears():
             linear.rows_kernel = rows_kernel
 
@@ -409,7 +410,7 @@ class LlamaModel(nn.Module):
         return True
 
     def _decode_step_kernel(self) -> decode_attention.DecodeStepKernel | None:
-        """The whole-step kernel for decode-only steps (up to 4 rows, or 64 with AMX), on
+        """The whole-step kernel for decode-only steps (up to 4 rows, or 64 with tiles), on
         the packed matrices."""
         config = self.config
 

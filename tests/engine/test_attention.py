@@ -284,8 +284,9 @@ needs_step_kernel = pytest.mark.skipif(linear_rows is None, reason="no C compile
 @needs_step_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 49, 64, 70, 130])
 def test_linear_rows_matches_fp32_matmul(rows: int):
-    """A few rows on vector registers; more on AMX tiles where the CPU has them: partial
-    tiles of rows and outputs, and more rows than one pass over the weight takes (64)."""
+    """A few rows on vector registers; more on tiles where the CPU has avx512_bf16 (AMX's
+    or their product on vdpbf16ps): partial tiles of rows and outputs, and more rows than
+    one pass over the weight takes (64)."""
     assert linear_rows is not None
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(970, 576, generator=generator).to(torch.bfloat16)  # a partial tile
@@ -316,7 +317,7 @@ def test_linear_rows_refuses_what_it_cannot_read():
 
 @needs_step_kernel
 def test_decode_step_kernel_matches_the_pytorch_layers(tiny_llama_dim32: Path):
-    """Decode-only steps of four rows down to one (and five with AMX), all layers in one
+    """Decode-only steps of four rows down to one (and five with tiles), all layers in one
     call, against the model in PyTorch ops: the same logits to bf16 rounding and the same
     KV cache."""
     engines = [
@@ -342,16 +343,17 @@ def test_decode_step_kernel_matches_the_pytorch_layers(tiny_llama_dim32: Path):
         [(1, 1), (3, 1)],
         [(3, 1)],
         [(i, 1) for i in range(4)] + [(4, 12)],  # a prefill in the step: the layer path
-        [(i, 1) for i in range(5)],  # five rows: the layer path, or AMX in the step kernel
+        [(i, 1) for i in range(5)],  # five rows: the layer path, or tiles in the step kernel
     ]
     compare_steps(engines, prompts, plan)
-    # with AMX the step kernel takes the five rows too (its linears on tiles)
-    assert calls == [4] * 20 + [3, 2, 1] + ([5] if decode_attention.has_amx() else [])
-    assert model.step_max_rows == (64 if decode_attention.has_amx() else 4)
-    # the few-row kernel serves steps the step kernel does not: 5 to 64 rows with AMX, up
-    # to 4 with fp32 compute (CPUs without native bf16)
+    # with tiles (AMX, or avx512_bf16 alone) the step kernel takes the five rows too
+    tiles = decode_attention.row_tiles() is not None
+    assert calls == [4] * 20 + [3, 2, 1] + ([5] if tiles else [])
+    assert model.step_max_rows == (64 if tiles else 4)
+    # the few-row kernel serves steps the step kernel does not: 5 to 64 rows with tiles,
+    # up to 4 with fp32 compute (CPUs without native bf16)
     fp32_compute = model.compute_dtype == torch.float32
-    assert (model.lm_head.rows_kernel is not None) == (decode_attention.has_amx() or fp32_compute)
+    assert (model.lm_head.rows_kernel is not None) == (tiles or fp32_compute)
     caches = [engine.runner.cache.kv.float() for engine in engines]
     scale = caches[1].abs().max().item()
     assert (caches[0] - caches[1]).abs().max().item() <= 0.04 * scale
