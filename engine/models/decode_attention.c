@@ -457,18 +457,242 @@ static void attend_item(long item, const uint16_t *q, long q_stride, const uint1
 #undef ATTEND
 }
 
+#if DOT_BF16
+/* A 16 x 16 matrix of 32-bit values transposed in registers: pairs, quads, then 128-bit
+   lanes twice (64 shuffles instead of 256 scalar moves). */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
+        t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);
+        t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
+        t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+        r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);
+        r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xdd);
+    }
+}
+
+/* ---- Consecutive rows of one prefill chunk, as a tile of queries ---------------------------
+
+   The tokens of a prefill chunk are rows with the same block table and lengths one apart.
+   Walked one row at a time, each row reloads every key and value of its context and sums
+   each key's dot products across lanes. A tile of up to TILE_VECTORS query vectors (rows x
+   the KV head's query heads) instead takes each 16-key chunk once: K transposed to pairs
+   by keys (as the row tiles transpose x), so that a score vector is 16 keys' lanes and
+   comes from vdpbf16ps with the query's pair broadcast, and V unpacked to key pairs once
+   for every vector of the tile. Each row still attends to its own length (causal). */
+#define TILE_VECTORS 48
+#define TILE_MAX_DIM 128
+
+static inline __m512 vf_first_mask(__m512 v, int count, float fill) {
+    const __mmask16 keep = count >= 16 ? 0xffff : count <= 0 ? 0 : (__mmask16)((1u << count) - 1);
+    return _mm512_mask_blend_ps(keep, _mm512_set1_ps(fill), v);
+}
+
+/* Rows first .. first + n - 1 (same block table, lengths one apart), one KV head; group
+   and dim constants where the caller inlines it, so that the accumulators stay in
+   registers. */
+static inline __attribute__((always_inline)) void attend_tile(const uint16_t *q, long q_stride, const uint16_t *keys,
+                        const uint16_t *values, const int32_t *table, const int32_t *lengths,
+                        uint16_t *out, int first, int n, int head, int kv_heads, int group,
+                        int dim, int block_size, float scale) {
+    const int pairs = dim / 2, vectors = n * group, acc_width = dim / 16;
+    const int base_length = lengths[first], longest = lengths[first + n - 1];
+    float acc[TILE_VECTORS][TILE_MAX_DIM] __attribute__((aligned(64)));
+    float running_max[TILE_VECTORS], running_sum[TILE_VECTORS];
+    __m512 kt[TILE_MAX_DIM / 2];                          /* K chunk: pair p by 16 keys */
+    __m512bh vu[8][TILE_MAX_DIM / 16];                    /* V chunk: key pairs, unpacked */
+    uint32_t probs[TILE_VECTORS][8] __attribute__((aligned(64))); /* bf16 pairs by key pair */
+    const uint32_t *query[TILE_VECTORS];
+    for (int v = 0; v < vectors; v++) {
+        const int row = first + v / group, g = v % group;
+        query[v] = (const uint32_t *)(q + row * q_stride + ((long)head * group + g) * dim);
+        for (int d = 0; d < dim; d += 16) _mm512_store_ps(acc[v] + d, _mm512_setzero_ps());
+        running_max[v] = -INFINITY;
+        running_sum[v] = 0.f;
+    }
+    int position = 0;
+    while (position < longest) {
+        int count = block_size - position % block_size;
+        if (count > 16) count = 16;
+        if (count > longest - position) count = longest - position;
+        const long offset = chunk_offset(table, position, block_size, dim);
+        const int next = position + count;
+        for (int ahead = next; ahead < next + 16 * PREFETCH_CHUNKS && ahead < longest;
+             ahead += 16) {
+            const long ahead_offset = chunk_offset(table, ahead, block_size, dim);
+            for (int byte = 0; byte < 16 * dim * 2; byte += 64) {
+                _mm_prefetch((const char *)(keys + ahead_offset) + byte, _MM_HINT_T1);
+                _mm_prefetch((const char *)(values + ahead_offset) + byte, _MM_HINT_T1);
+            }
+        }
+        /* K's 16 keys x `pairs` pairs transposed, 16 pairs at a time */
+        for (int half = 0; half < pairs / 16; half++) {
+            __m512 r[16];
+            for (int t = 0; t < 16; t++)
+                r[t] = t < count ? _mm512_loadu_ps((const float *)(keys + offset + (long)t * dim) +
+                                                   16 * half)
+                                 : _mm512_setzero_ps();
+            transpose16(r);
+            for (int i = 0; i < 16; i++) kt[16 * half + i] = r[i];
+        }
+        /* V's key pairs (t, t + 1) interleaved by 16-bit unpacks, per 32 dims */
+        for (int j = 0; 2 * j < count; j++) {
+            const uint16_t *row = values + offset + (long)2 * j * dim;
+            for (int c = 0; c < dim / 32; c++) {
+                const __m512i a = _mm512_loadu_si512(row + 32 * c);
+                const __m512i b = 2 * j + 1 < count ? _mm512_loadu_si512(row + dim + 32 * c)
+                                                    : _mm512_setzero_si512();
+                vu[j][2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+                vu[j][2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            }
+        }
+        /* scores, eight vectors at a time against each pair of K (the last ones padded
+           with the first vector's query: computed, not used) */
+        for (int v0 = 0; v0 < vectors; v0 += 8) {
+            const int m = vectors - v0 < 8 ? vectors - v0 : 8;
+            const uint32_t *eight[8];
+            for (int i = 0; i < 8; i++) eight[i] = query[i < m ? v0 + i : 0];
+            __m512 s[8];
+            for (int i = 0; i < 8; i++) s[i] = _mm512_setzero_ps();
+            for (int p = 0; p < pairs; p++) {
+                const __m512bh k = (__m512bh)kt[p];
+#pragma GCC unroll 8
+                for (int i = 0; i < 8; i++)
+                    s[i] = _mm512_dpbf16_ps(s[i], k, (__m512bh)_mm512_set1_epi32((int)eight[i][p]));
+            }
+            for (int i = 0; i < m; i++) {
+                const int v = v0 + i, valid = base_length + v / group - position;
+                const __m512 scores = vf_first_mask(_mm512_mul_ps(s[i], _mm512_set1_ps(scale)),
+                                                    valid < count ? valid : count, -INFINITY);
+                const float chunk_max = _mm512_reduce_max_ps(scores);
+                if (chunk_max > running_max[v]) {
+                    const __m512 factor = vf_exp_inline(_mm512_set1_ps(running_max[v] - chunk_max));
+                    running_sum[v] *= _mm512_cvtss_f32(factor);
+                    for (int d = 0; d < dim; d += 16)
+                        _mm512_store_ps(acc[v] + d, _mm512_mul_ps(_mm512_load_ps(acc[v] + d), factor));
+                    running_max[v] = chunk_max;
+                }
+                const __m512 e = vf_first_mask(
+                    vf_exp_inline(_mm512_sub_ps(scores, _mm512_set1_ps(running_max[v]))),
+                    valid < count ? valid : count, 0.f);
+                running_sum[v] += _mm512_reduce_add_ps(e);
+                _mm256_store_si256((__m256i *)probs[v], (__m256i)_mm512_cvtneps_pbh(e));
+            }
+        }
+        /* probs @ V: a few vectors' accumulators in registers across the chunk's key pairs */
+        const int key_pairs = (count + 1) / 2, per = 24 / acc_width;
+        for (int v0 = 0; v0 < vectors; v0 += per) {
+            const int m = vectors - v0 < per ? vectors - v0 : per;
+            __m512 a[24];
+            for (int i = 0; i < m; i++)
+                for (int c = 0; c < acc_width; c++) a[i * acc_width + c] = _mm512_load_ps(acc[v0 + i] + 16 * c);
+            for (int j = 0; j < key_pairs; j++)
+                for (int i = 0; i < m; i++) {
+                    const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)probs[v0 + i][j]);
+                    for (int c = 0; c < acc_width; c++)
+                        a[i * acc_width + c] = _mm512_dpbf16_ps(a[i * acc_width + c], vu[j][c], pp);
+                }
+            for (int i = 0; i < m; i++)
+                for (int c = 0; c < acc_width; c++) _mm512_store_ps(acc[v0 + i] + 16 * c, a[i * acc_width + c]);
+        }
+        position = next;
+    }
+    /* per 32 dims, lane 4L + i of the low accumulator holds dim 8L + i, of the high one
+       dim 8L + 4 + i (the unpack order) */
+    const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second_half = _mm512_add_epi32(first_half, _mm512_set1_epi32(8));
+    for (int v = 0; v < vectors; v++) {
+        const int row = first + v / group, g = v % group;
+        uint16_t *target = out + ((long)row * kv_heads + head) * group * dim + (long)g * dim;
+        const __m512 inverse = _mm512_set1_ps(1.f / running_sum[v]);
+        for (int c = 0; c < acc_width; c++) {
+            const __m512 low = _mm512_load_ps(acc[v] + 16 * (c & ~1));
+            const __m512 high = _mm512_load_ps(acc[v] + 16 * (c | 1));
+            const __m512 ordered = _mm512_permutex2var_ps(low, c & 1 ? second_half : first_half, high);
+            _mm256_storeu_si256((__m256i *)(target + 16 * c),
+                                bf16x16_from(_mm512_mul_ps(ordered, inverse)));
+        }
+    }
+}
+#endif
+
 /* q: rows of q_stride elements, each [kv_heads * group, dim]; cache: one layer,
    [2 * kv_heads, num_blocks, block_size, dim] (K planes, then V planes); block_table:
-   [rows, width]; lengths: [rows], keys per row (>= 1); out: [rows, kv_heads * group, dim]. */
+   [rows, width]; lengths: [rows], keys per row (>= 1); out: [rows, kv_heads * group, dim].
+   Runs of rows with the same block table and lengths one apart (a prefill chunk's tokens)
+   attend as tiles of queries where the build has vdpbf16ps (attend_tile). */
 void decode_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *cache,
                            const int32_t *block_table, int width, const int32_t *lengths,
                            uint16_t *out, int rows, int kv_heads, int group, int dim,
                            int num_blocks, int block_size, float scale, int threads) {
     const long plane = (long)num_blocks * block_size * dim;
+    int tile_rows = 0;
+#if DOT_BF16
+    if (dim % 32 == 0 && dim <= TILE_MAX_DIM) tile_rows = TILE_VECTORS / group;
+    if (tile_rows > 16) tile_rows = 16;
+#endif
+    int *starts = tile_rows >= 2 ? malloc(sizeof(int) * (size_t)(rows + 1)) : NULL;
+    if (!starts) { /* one row at a time */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (long item = 0; item < (long)rows * kv_heads; item++)
-        attend_item(item, q, q_stride, cache, block_table, width, lengths, out, kv_heads, group,
-                    dim, plane, block_size, scale);
+        for (long item = 0; item < (long)rows * kv_heads; item++)
+            attend_item(item, q, q_stride, cache, block_table, width, lengths, out, kv_heads,
+                        group, dim, plane, block_size, scale);
+        return;
+    }
+    int units = 0;
+    for (int row = 0; row < rows;) {
+        int n = 1;
+        while (n < tile_rows && row + n < rows && lengths[row + n] == lengths[row] + n &&
+               memcmp(block_table + (long)row * width, block_table + (long)(row + n) * width,
+                      sizeof(int32_t) * (size_t)width) == 0)
+            n++;
+        starts[units++] = row;
+        row += n;
+    }
+    starts[units] = rows;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (long item = 0; item < (long)units * kv_heads; item++) {
+        const int unit = (int)(item / kv_heads), head = (int)(item % kv_heads);
+        const int first = starts[unit], n = starts[unit + 1] - first;
+        if (n == 1) {
+            attend_item((long)first * kv_heads + head, q, q_stride, cache, block_table, width,
+                        lengths, out, kv_heads, group, dim, plane, block_size, scale);
+            continue;
+        }
+#if DOT_BF16
+#define ATTEND_TILE(G, D)                                                                     \
+    attend_tile(q, q_stride, cache + head * plane, cache + (kv_heads + head) * plane,           \
+                block_table + (long)first * width, lengths, out, first, n, head, kv_heads, G, D, \
+                block_size, scale)
+        if (group == 3 && dim == 64)
+            ATTEND_TILE(3, 64);
+        else if (dim == 64)
+            ATTEND_TILE(group, 64);
+        else if (dim == 128)
+            ATTEND_TILE(group, 128);
+        else
+            ATTEND_TILE(group, dim);
+#undef ATTEND_TILE
+#endif
+    }
+    free(starts);
 }
 
 /* The residual stream's add and RMSNorm in one pass, in HF's order of operations for bf16:
@@ -743,36 +967,6 @@ static void linear_rows(const uint16_t *x, const uint16_t *packed, uint16_t *y, 
 static inline int row_tiles(int first, int rows) {
     const int count = rows - first < TILE_PASS_ROWS ? rows - first : TILE_PASS_ROWS;
     return (count + 15) / 16;
-}
-
-/* A 16 x 16 matrix of 32-bit values transposed in registers: pairs, quads, then 128-bit
-   lanes twice (64 shuffles instead of 256 scalar moves). */
-static inline void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
-        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
-        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
-        t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);
-        t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
-        t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
-        r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
-        r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);
-        r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xdd);
-    }
 }
 
 /* B tiles of x's rows [first, first + TILE_PASS_ROWS): per (row tile, input block) 16 x 16

@@ -78,6 +78,56 @@ def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, block_siz
     )
 
 
+@needs_kernel
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "dim", "block_size"),
+    [(3, 3, 64, 16), (2, 4, 128, 16), (1, 3, 64, 32), (2, 2, 48, 16)],
+)
+def test_kernel_matches_reference_on_prefill_chunks(
+    kv_heads: int, group: int, dim: int, block_size: int
+):
+    """Prefill chunks' tokens (one block table, lengths one apart) beside decode rows: with
+    vdpbf16ps they attend as tiles of up to 48 query vectors (runs longer than a tile split,
+    causal inside each tile), else row by row; the same attention either way."""
+    assert kernel is not None
+    generator = torch.Generator().manual_seed(1)
+    rng = random.Random(1)
+    num_blocks = 64
+    cache = torch.randn(2 * kv_heads, num_blocks, block_size, dim, generator=generator)
+    cache = cache.to(torch.bfloat16)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+
+    def table(length: int) -> list[int]:
+        return [free.pop() for _ in range(-(-length // block_size))]
+
+    decode = [(table(n), [n]) for n in (40, 3)]  # decode rows: one length each
+    long_chunk = table(21 + 37)  # 37 tokens after 21 cached: lengths 22 .. 58
+    short_chunk = table(5)  # a fresh prompt of 5 tokens: lengths 1 .. 5
+    odd = table(30)  # rows of one table whose lengths are not one apart
+    runs = [
+        *decode,
+        (long_chunk, list(range(22, 59))),
+        (short_chunk, list(range(1, 6))),
+        (odd, [30, 10, 11, 29]),
+    ]
+    tables = [blocks for blocks, lengths in runs for _ in lengths]
+    lengths = [n for _, run_lengths in runs for n in run_lengths]
+    widest = max(len(t) for t in tables)
+    padded = [t + [0] * (widest - len(t)) for t in tables]
+    heads = kv_heads * group
+    q = torch.randn(len(lengths), heads, dim, generator=generator).to(torch.bfloat16)
+    out = kernel(
+        q,
+        cache,
+        torch.tensor(padded, dtype=torch.int32),
+        torch.tensor(lengths, dtype=torch.int32),
+        dim**-0.5,
+    )
+    expected = reference_attention(q, cache, tables, lengths)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
 def hf_add_rms_norm(x, residual, weight, eps):
     """HF's bf16 order: the add rounded to bf16, normalised in fp32, rounded, then scaled."""
     added = residual if x is None else residual + x
