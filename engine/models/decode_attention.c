@@ -1,8 +1,8 @@
 /* The engine's bf16 CPU kernels, AVX-512 or AVX2: decode attention over the paged KV cache (one
    query token per row); then, at the end of the file, the rotary embedding fused with the
    KV cache write, the residual add fused with RMSNorm, SwiGLU's silu(gate) * up, a linear
-   layer for a decode step's rows (on AMX tiles where the CPU has them) and the whole decode
-   step in one call.
+   layer for a decode step's rows (on tiles where the CPU has avx512_bf16: AMX's, or their
+   product on vdpbf16ps) and the whole decode step in one call.
 
    Fuses what took three passes over memory in PyTorch ops (gather K, scores, probs @ V):
    each (row, kv head) walks its blocks once, computing the scores of the query heads

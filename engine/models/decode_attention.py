@@ -1,6 +1,7 @@
 """The engine's bf16 CPU kernels (decode_attention.c), built once per machine: the fused
 decode attention, the small ops fused between the matmuls, a linear layer for a decode
-step's rows (on AMX tiles where the CPU has them) and the whole decode step in one call.
+step's rows (on tiles where the CPU has avx512_bf16: AMX's, or their product on
+vdpbf16ps) and the whole decode step in one call.
 
 In PyTorch ops a decode step's K crosses memory three times (the gather reads it and
 writes a copy, the scores read the copy), V once more (embedding_bag), and rows are

@@ -70,7 +70,7 @@ class Linear(nn.Module):
         # (bf16 storage, fp32 compute): widening per matmul cost as much as the matmul.
         self.wide_weight: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
-        # decode_attention's pack_rows copy, and its kernel: with AMX for steps of 5 to 64
+        # decode_attention's pack_rows copy, and its kernel: with tiles for steps of 5 to 64
         # rows, with fp32 compute for steps of up to 4 rows the step kernel does not run
         self.rows_packed: torch.Tensor | None = None
         self.rows_kernel: LinearRowsKernel | None = None
