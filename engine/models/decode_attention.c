@@ -1116,7 +1116,7 @@ int row_tiles_kind(void) {
 #if DOT_BF16
     return amx_enabled ? 2 : 1;
 #else
-    return 0;
+    return amx_enabled;
 #endif
 }
 
