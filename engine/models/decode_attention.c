@@ -279,6 +279,26 @@ static inline long chunk_offset(const int32_t *table, int position, int block_si
    follow. */
 #define PREFETCH_CHUNKS 2
 
+/* Keys of the chunk at `position`: up to 16, all in one block, none past `length`. */
+static inline int chunk_keys(int position, int length, int block_size) {
+    int count = block_size - position % block_size;
+    if (count > 16) count = 16;
+    return count < length - position ? count : length - position;
+}
+
+/* K and V of the PREFETCH_CHUNKS chunks from position `next` on, into L2. */
+static inline void prefetch_chunks(const int32_t *table, int next, int length,
+                                   const uint16_t *keys, const uint16_t *values, int block_size,
+                                   int dim) {
+    for (int ahead = next; ahead < next + 16 * PREFETCH_CHUNKS && ahead < length; ahead += 16) {
+        const long offset = chunk_offset(table, ahead, block_size, dim);
+        for (int byte = 0; byte < 16 * dim * 2; byte += 64) {
+            _mm_prefetch((const char *)(keys + offset) + byte, _MM_HINT_T1);
+            _mm_prefetch((const char *)(values + offset) + byte, _MM_HINT_T1);
+        }
+    }
+}
+
 /* One (row, kv head): chunks = dim / 16, a constant where the caller inlines it. */
 static inline __attribute__((always_inline)) void attend(
     const uint16_t *q, const uint16_t *keys, const uint16_t *values, const int32_t *table,
@@ -305,22 +325,10 @@ static inline __attribute__((always_inline)) void attend(
     }
     int position = 0;
     while (position < length) {
-        /* up to 16 keys, all in one block */
-        int count = block_size - position % block_size;
-        if (count > 16) count = 16;
-        if (count > length - position) count = length - position;
+        const int count = chunk_keys(position, length, block_size);
         const long offset = chunk_offset(table, position, block_size, dim);
         const int next = position + count;
-        for (int ahead = next; ahead < next + 16 * PREFETCH_CHUNKS && ahead < length;
-             ahead += 16) {
-            const long ahead_offset = chunk_offset(table, ahead, block_size, dim);
-            const char *ahead_keys = (const char *)(keys + ahead_offset);
-            const char *ahead_values = (const char *)(values + ahead_offset);
-            for (int byte = 0; byte < 16 * dim * 2; byte += 64) {
-                _mm_prefetch(ahead_keys + byte, _MM_HINT_T1);
-                _mm_prefetch(ahead_values + byte, _MM_HINT_T1);
-            }
-        }
+        prefetch_chunks(table, next, length, keys, values, block_size, dim);
         /* Each key's 16-lane partial dot products, summed 16 keys at a time by sum16: with
            the cache in L1 the kernel runs 10 % faster than with a horizontal sum per key;
            from DRAM, the scattered blocks' reads bound it either way (about 18 GB/s). */
@@ -529,19 +537,10 @@ static inline __attribute__((always_inline)) void attend_tile(const uint16_t *q,
     }
     int position = 0;
     while (position < longest) {
-        int count = block_size - position % block_size;
-        if (count > 16) count = 16;
-        if (count > longest - position) count = longest - position;
+        const int count = chunk_keys(position, longest, block_size);
         const long offset = chunk_offset(table, position, block_size, dim);
         const int next = position + count;
-        for (int ahead = next; ahead < next + 16 * PREFETCH_CHUNKS && ahead < longest;
-             ahead += 16) {
-            const long ahead_offset = chunk_offset(table, ahead, block_size, dim);
-            for (int byte = 0; byte < 16 * dim * 2; byte += 64) {
-                _mm_prefetch((const char *)(keys + ahead_offset) + byte, _MM_HINT_T1);
-                _mm_prefetch((const char *)(values + ahead_offset) + byte, _MM_HINT_T1);
-            }
-        }
+        prefetch_chunks(table, next, longest, keys, values, block_size, dim);
         /* K's 16 keys x `pairs` pairs transposed, 16 pairs at a time */
         for (int half = 0; half < pairs / 16; half++) {
             __m512 r[16];

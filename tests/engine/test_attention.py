@@ -38,6 +38,15 @@ def reference_attention(
     return out
 
 
+def run_kernel(
+    q: torch.Tensor, cache: torch.Tensor, padded: list[list[int]], lengths: list[int]
+) -> torch.Tensor:
+    """The kernel on rows of padded block tables, at the usual scale."""
+    assert kernel is not None
+    tables = torch.tensor(padded, dtype=torch.int32)
+    return kernel(q, cache, tables, torch.tensor(lengths, dtype=torch.int32), q.shape[-1] ** -0.5)
+
+
 @needs_kernel
 @pytest.mark.parametrize(
     ("kv_heads", "group", "dim", "block_size"),
@@ -61,13 +70,7 @@ def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, block_siz
     # q as the attention sees it: a view into the fused q|k rows, rows strided
     qk = torch.randn(len(lengths), heads + kv_heads, dim, generator=generator).to(torch.bfloat16)
     q = qk[:, :heads]
-    out = kernel(
-        q,
-        cache,
-        torch.tensor(padded, dtype=torch.int32),
-        torch.tensor(lengths, dtype=torch.int32),
-        dim**-0.5,
-    )
+    out = run_kernel(q, cache, padded, lengths)
     expected = reference_attention(q, cache, tables, lengths)
     assert out.dtype == torch.bfloat16 and out.shape == (len(lengths), heads, dim)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
@@ -115,15 +118,8 @@ def test_kernel_matches_reference_on_prefill_chunks(
     lengths = [n for _, run_lengths in runs for n in run_lengths]
     widest = max(len(t) for t in tables)
     padded = [t + [0] * (widest - len(t)) for t in tables]
-    heads = kv_heads * group
-    q = torch.randn(len(lengths), heads, dim, generator=generator).to(torch.bfloat16)
-    out = kernel(
-        q,
-        cache,
-        torch.tensor(padded, dtype=torch.int32),
-        torch.tensor(lengths, dtype=torch.int32),
-        dim**-0.5,
-    )
+    q = torch.randn(len(lengths), kv_heads * group, dim, generator=generator).to(torch.bfloat16)
+    out = run_kernel(q, cache, padded, lengths)
     expected = reference_attention(q, cache, tables, lengths)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
