@@ -47,7 +47,6 @@ MAX_HEAD_DIM = 256
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
-_amx = False
 _loaded = False
 
 
@@ -483,17 +482,11 @@ def library() -> ctypes.CDLL | None:
                     _library = ctypes.CDLL(str(path))
                 except OSError:
                     _library = None
-            global _amx
-            # AMX's tile state is Linux's to grant, once per process (amx_enable in the C)
-            _amx = _library is not None and hasattr(_library, "amx_enable")
-            _amx = _amx and _library.amx_enable() == 0  # type: ignore[union-attr]
+            # AMX's tile state is Linux's to grant, once per process (amx_enable in the C;
+            # where Linux refuses, row_tiles says "vnni")
+            if _library is not None and hasattr(_library, "amx_enable"):
+                _library.amx_enable()
         return _library
-
-
-def has_amx() -> bool:
-    """Whether the row tiles (row_tiles) are AMX's."""
-    library()
-    return _amx
 
 
 def row_tiles() -> str | None:
