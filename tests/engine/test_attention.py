@@ -38,6 +38,14 @@ def reference_attention(
     return out
 
 
+def random_cache(
+    kv_heads: int, num_blocks: int, block_size: int, dim: int, generator: torch.Generator
+) -> torch.Tensor:
+    """One layer's bf16 KV cache of random values: [2 * kv_heads, blocks, block_size, dim]."""
+    cache = torch.randn(2 * kv_heads, num_blocks, block_size, dim, generator=generator)
+    return cache.to(torch.bfloat16)
+
+
 def run_kernel(
     q: torch.Tensor, cache: torch.Tensor, padded: list[list[int]], lengths: list[int]
 ) -> torch.Tensor:
@@ -57,8 +65,7 @@ def test_kernel_matches_reference(kv_heads: int, group: int, dim: int, block_siz
     generator = torch.Generator().manual_seed(0)
     rng = random.Random(0)
     num_blocks = 96
-    cache = torch.randn(2 * kv_heads, num_blocks, block_size, dim, generator=generator)
-    cache = cache.to(torch.bfloat16)
+    cache = random_cache(kv_heads, num_blocks, block_size, dim, generator)
     # ragged rows: one key, exactly one block, one past a block, several blocks
     lengths = [1, block_size, block_size + 1, 3 * block_size - 5, 5 * block_size + 7, 2]
     widest = max(-(-n // block_size) for n in lengths)
@@ -96,8 +103,7 @@ def test_kernel_matches_reference_on_prefill_chunks(
     generator = torch.Generator().manual_seed(1)
     rng = random.Random(1)
     num_blocks = 64
-    cache = torch.randn(2 * kv_heads, num_blocks, block_size, dim, generator=generator)
-    cache = cache.to(torch.bfloat16)
+    cache = random_cache(kv_heads, num_blocks, block_size, dim, generator)
     free = list(range(num_blocks))
     rng.shuffle(free)
 
