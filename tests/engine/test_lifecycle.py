@@ -90,9 +90,13 @@ def test_bad_flags_exit_non_zero_with_a_message(tiny_llama: Path):
 def test_preemption_by_recompute_loses_nothing(tiny_llama: Path, tmp_path: Path):
     from transformers import LlamaForCausalLM
 
+    # 10 ms a step keeps all six requests running together even when their posts arrive
+    # spread out on a busy machine: the tiny model alone can finish one before the next
+    # arrives, and then nothing needs preempting.
     server = start_server(
         ["--model", str(tiny_llama), "--dtype", "float32", "--max-model-len", "256",
-         "--num-blocks", "20", "--block-size", "16", "--max-num-batched-tokens", "64"],
+         "--num-blocks", "20", "--block-size", "16", "--max-num-batched-tokens", "64",
+         "--fault-latency-ms", "10"],
         tmp_path / "small-kv.log",
     )  # fmt: skip
     try:
