@@ -338,6 +338,17 @@ class InProcessResult:
     def decode_rate(self) -> float:
         return max(self.decode_rates)
 
+    def round_ratios(self) -> list[float]:
+        """Each decode run against the roofline of the faster read either side of it: the
+        read bandwidth moves within seconds on a shared VM, so the best read of the whole
+        measurement can come from a moment no decode run saw."""
+        return [
+            rate * self.weight_bytes / 1e9 / max(before, after)
+            for rate, before, after in zip(
+                self.decode_rates, self.bandwidths, self.bandwidths[1:], strict=False
+            )
+        ]
+
 
 @dataclass(slots=True)
 class KernelCeilings:
@@ -531,6 +542,13 @@ def measure(options: Options) -> dict[str, Any]:
           f"roofline {roofline:.1f} tok/s", flush=True)  # fmt: skip
     print(f"RATIO single-stream decode / memory roofline = {local.decode_rate / roofline:.2f} "
           "(target >= 0.8)", flush=True)  # fmt: skip
+    round_ratios = local.round_ratios()
+    print(f"each decode run against the faster read either side of it: "
+          f"{' '.join(f'{r:.2f}' for r in round_ratios)}", flush=True)  # fmt: skip
+    notes.append(
+        "decode / roofline per decode run, against the faster read either side of it: "
+        + " ".join(f"{r:.2f}" for r in round_ratios)
+    )
     ceilings = local.ceilings
     gemv_rate = 1 / ceilings.gemv_seconds
     print(f"kernel ceiling, decode: one single-row pass through every weight matrix takes "

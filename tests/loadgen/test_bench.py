@@ -111,3 +111,20 @@ def test_render_handles_a_skipped_figure():
                       "figures": [figure]}]}
     )  # fmt: skip
     assert "skipped: gateway not available" in text
+
+
+def test_each_decode_run_meets_the_faster_read_beside_it():
+    from bench.engine_bench import InProcessResult
+
+    result = InProcessResult(
+        decode_rates=[100.0, 150.0, 120.0],
+        bandwidths=[25.0, 30.0, 60.0, 24.0],  # GB/s; one read caught a fast moment
+        weight_bytes=200_000_000,
+        prefill_seconds=0.1,
+        ceilings=None,
+        config=None,
+        model=None,
+    )
+    # 100 tok/s x 0.2 GB = 20 GB/s against 30; 30 against 60; 24 against 60
+    assert result.round_ratios() == pytest.approx([20 / 30, 30 / 60, 24 / 60])
+    assert result.decode_rate == 150.0
