@@ -4,7 +4,8 @@ from typing import Any
 
 from controlplane.core.errors import DomainError
 
-DTYPES = ("float32", "bfloat16", "float16")
+# what the engine serves (`python -m engine serve --dtype`; agent.engine_process refuses the rest)
+DTYPES = ("float32", "bfloat16", "int8")
 
 # integer fields: (minimum, maximum)
 LIMITS: dict[str, tuple[int, int]] = {

@@ -201,6 +201,7 @@ def test_admin_override_verifies_with_an_audited_reason(client_for, make_version
     ("overrides", "code"),
     [
         ({"serving_config": {**SERVING_CONFIG, "dtype": "int4"}}, "invalid"),
+        ({"serving_config": {**SERVING_CONFIG, "dtype": "float16"}}, "invalid"),  # not served
         ({"serving_config": {**SERVING_CONFIG, "max_model_len": "2048"}}, "invalid"),
         ({"serving_config": {**SERVING_CONFIG, "max_model_len": 0}}, "invalid"),
         ({"serving_config": {**SERVING_CONFIG, "temperature": 0.7}}, "unknown_fields"),
@@ -245,8 +246,17 @@ def test_versions_share_an_artifact_and_differ_in_config(
     )
     assert bf16.status_code == 201
     assert bf16.json()["base_version"] == fp32.json()["id"]
+    int8 = register(  # the engine's weight-only int8: a release pair with the same artifact
+        client,
+        chat_model.pk,
+        stored_digest,
+        label="int8",
+        base_version=fp32.json()["id"],
+        serving_config={**SERVING_CONFIG, "dtype": "int8"},
+    )
+    assert int8.status_code == 201, int8.json()
     listing = client.get("/api/v1/versions/", {"artifact_digest": f"sha256:{stored_digest}"}).json()
-    assert listing["count"] == 2
+    assert listing["count"] == 3
     assert client.get("/api/v1/versions/", {"status": "verified"}).json()["count"] == 0
 
 
