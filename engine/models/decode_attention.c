@@ -859,19 +859,15 @@ void argmax_rows_f32(const float *x, int rows, int n, int32_t *out, int threads)
 #define LINEAR_DEPTH 32 /* inputs per step: one vdpbf16ps, or a 64-byte line of a row */
 /* Prefetch into L2 this far ahead (36 KB): about 7 % more read bandwidth than the hardware
    prefetcher alone (measured: 28 -> 30 GB/s on 2 AMD EPYC cores; torch's sum reads 33).
-   With vdpbf16ps, every other line only: the L2 fetches a line's 128-byte pair with it,
-   and half the prefetches hold half the miss buffers. On the AMD EPYC VM, alternating with
-   one prefetch per line over 269 MB: 9 % less time (13 % while the VM's memory ran fast,
-   4 % while it ran slow), a little faster than torch's sum over the same bytes; a decode
-   step 7 to 10 % faster. The widening paths below lost by it (AVX2: a decode step 20 %
-   slower; AVX-512 without bf16: 2 %), so they prefetch every line. AMX's path keeps every
-   line too: not measured on AMX hardware. */
+   The vdpbf16ps paths prefetch every other line only (PREFETCH_EVERY): the L2 fetches a
+   line's 128-byte pair with it, and half the prefetches hold half the miss buffers. On the
+   AMD EPYC VM, alternating with one prefetch per line over 269 MB: 9 % less time (13 %
+   while the VM's memory ran fast, 4 % while it ran slow), as fast as a plain sum of the
+   same bytes; a decode step 1 to 10 % faster in five of six alternated runs. The widening
+   paths lost by it (AVX2: a decode step 20 % slower; AVX-512 without bf16: 2 %), so they
+   prefetch every line. AMX's loop keeps every line too: not measured on AMX hardware. */
 #define LINEAR_PREFETCH (18 * 1024)
-#if DOT_BF16
-#define PREFETCH_EVERY 2 /* lines */
-#else
-#define PREFETCH_EVERY 1
-#endif
+#define PREFETCH_EVERY 2 /* lines, in the vdpbf16ps paths */
 
 /* The 16 outputs of tile `tile` for input row x: 16 fp32 dot products over `in` values. A
    prefetch never faults: past the weight's end it is only wasted. */
@@ -898,8 +894,7 @@ static inline vf16 linear_tile(const uint16_t *x, const uint16_t *packed, int in
     for (int k = 0; k < in; k += LINEAR_DEPTH, block += LINEAR_TILE * LINEAR_DEPTH) {
         const vf16 low = load_bf16x16(x + k), high = load_bf16x16(x + k + 16);
         for (int j = 0; j < LINEAR_TILE; j++) {
-            if (j % PREFETCH_EVERY == 0)
-                _mm_prefetch((const char *)(block + LINEAR_PREFETCH + j * 32), _MM_HINT_T1);
+            _mm_prefetch((const char *)(block + LINEAR_PREFETCH + j * 32), _MM_HINT_T1);
             acc[j] = vf_fmadd(load_bf16x16(block + j * 32), low, acc[j]);
             acc[j] = vf_fmadd(load_bf16x16(block + j * 32 + 16), high, acc[j]);
         }
@@ -926,8 +921,7 @@ static inline vf16 linear_tile(const uint16_t *x, const uint16_t *packed, int in
         widen_pair(x + k, &xv[0], &xv[1]);
         widen_pair(x + k + 16, &xv[2], &xv[3]);
         for (int j = 0; j < LINEAR_TILE; j++) {
-            if (j % PREFETCH_EVERY == 0)
-                _mm_prefetch((const char *)(block + LINEAR_PREFETCH + j * 32), _MM_HINT_T1);
+            _mm_prefetch((const char *)(block + LINEAR_PREFETCH + j * 32), _MM_HINT_T1);
             __m256 w[4];
             widen_pair(block + j * 32, &w[0], &w[1]);
             widen_pair(block + j * 32 + 16, &w[2], &w[3]);
