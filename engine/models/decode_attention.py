@@ -316,16 +316,26 @@ STEP_MAX_ROWS = 4  # decode steps of up to this many rows run in decode_step_bf1
 TILE_ROWS = (STEP_MAX_ROWS + 1, 64)
 
 
-def pack_rows(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 [out, in] weight as [tiles, in / 32, 16, 32], its rows padded with zeros to
-    whole tiles of 16: the order in which the few-row linear kernel reads it, one
-    sequential stream per tile."""
+def packed_shape(weight: torch.Tensor) -> tuple[int, int, int, int]:
+    """The shape pack_rows gives a bf16 [out, in] weight."""
     out, width = weight.shape
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or width % LINEAR_DEPTH:
         raise ValueError("pack_rows needs a bf16 [out, in] weight with in % 32 == 0")
-    weight = F.pad(weight, (0, 0, 0, -out % LINEAR_TILE))
-    tiles = weight.view(-1, LINEAR_TILE, width // LINEAR_DEPTH, LINEAR_DEPTH)
-    return tiles.permute(0, 2, 1, 3).contiguous()
+    return (-(-out // LINEAR_TILE), width // LINEAR_DEPTH, LINEAR_TILE, LINEAR_DEPTH)
+
+
+def pack_rows(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A bf16 [out, in] weight as [tiles, in / 32, 16, 32], its rows padded with zeros to
+    whole tiles of 16: the order in which the few-row linear kernel reads it, one
+    sequential stream per tile. Written into `out` (contiguous, of packed_shape) if given."""
+    shape = packed_shape(weight)
+    weight = F.pad(weight, (0, 0, 0, -weight.shape[0] % LINEAR_TILE))
+    tiles = weight.view(shape[0], LINEAR_TILE, shape[1], LINEAR_DEPTH).permute(0, 2, 1, 3)
+    if out is None:
+        return tiles.contiguous()
+    if out.shape != shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"pack_rows writes a contiguous bf16 tensor of shape {shape}")
+    return out.copy_(tiles)
 
 
 class LinearRowsKernel:

@@ -12,6 +12,7 @@ does not take run one SDPA each.
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 from dataclasses import dataclass, field
 
@@ -73,15 +74,19 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
+HUGE_PAGE = 2 * 2**20
+
+
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
     """Ask Linux for transparent huge pages under a large CPU tensor (madvise
     MADV_HUGEPAGE on its 2 MiB-aligned interior), where THP is set to `madvise` or
-    `always`. Attention reads the KV cache in 2 KB blocks wherever the allocator put
-    them, and with 4 KiB pages nearly every block costs a TLB miss: decode attention
-    over scattered blocks ran about 28 % faster on huge pages (AMD EPYC, Zen 4)."""
+    `always`; before the tensor is first written. Attention reads the KV cache in 2 KB
+    blocks wherever the allocator put them, and with 4 KiB pages nearly every block costs
+    a TLB miss: decode attention over scattered blocks ran about 28 % faster on huge pages
+    (AMD EPYC, Zen 4). The packed matrices a decode step streams: see pack_all_rows."""
     if sys.platform != "linux":
         return False
-    huge = 2 * 2**20
+    huge = HUGE_PAGE
     address = tensor.data_ptr()
     start = (address + huge - 1) // huge * huge
     length = (address + tensor.numel() * tensor.element_size() - start) // huge * huge
@@ -90,6 +95,27 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc.madvise(start, length, MADV_HUGEPAGE) == 0
+
+
+def pack_all_rows(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """pack_rows of every weight, one after another in one CPU buffer that starts on a
+    2 MiB boundary and asks for huge pages before it is written. A decode step streams
+    them all once: alternated step by step against the same matrices packed one tensor
+    each, decode steps took 0.94 of the time (AMD EPYC VM; one buffer on 4 KiB pages:
+    0.97 to 0.99). A sum over a fresh 280 MB buffer read 30 % faster on huge pages while
+    the VM's memory ran fast, 5 % while it ran slow."""
+    shapes = [decode_attention.packed_shape(weight) for weight in weights]
+    sizes = [math.prod(shape) for shape in shapes]
+    slack = HUGE_PAGE // 2  # bf16 elements
+    buffer = torch.empty(sum(sizes) + slack, dtype=torch.bfloat16)
+    start = (-buffer.data_ptr() % HUGE_PAGE) // 2
+    advise_huge_pages(buffer)
+    packed = []
+    for weight, shape, size in zip(weights, shapes, sizes, strict=True):
+        view = buffer[start : start + size].view(shape)
+        packed.append(decode_attention.pack_rows(weight, out=view))
+        start += size
+    return packed
 
 
 class KVCache:
@@ -404,9 +430,9 @@ class LlamaModel(nn.Module):
         )
         if not (shapes_fit and decode_attention.has_decode_step()):
             return False
-        for m in linears:
-            assert m.weight is not None
-            m.rows_packed = decode_attention.pack_rows(m.weight.detach())
+        weights = [m.weight.detach() for m in linears if m.weight is not None]
+        for m, packed in zip(linears, pack_all_rows(weights), strict=True):
+            m.rows_packed = packed
         return True
 
     def _decode_step_kernel(self) -> decode_attention.DecodeStepKernel | None:
