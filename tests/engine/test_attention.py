@@ -350,6 +350,20 @@ def test_linear_rows_matches_fp32_matmul(rows: int):
     assert (out == expected).float().mean().item() > 0.9
 
 
+def test_all_rows_are_packed_into_one_buffer_from_a_huge_page_boundary():
+    from engine.models.llama import HUGE_PAGE, pack_all_rows
+
+    weights = [torch.randn(out, 64).to(torch.bfloat16) for out in (40, 16, 7)]
+    packed = pack_all_rows(weights)
+    assert packed[0].data_ptr() % HUGE_PAGE == 0
+    for weight, tensor, following in zip(weights, packed, [*packed[1:], None], strict=True):
+        assert torch.equal(tensor, decode_attention.pack_rows(weight))
+        if following is not None:  # one after another, no gap
+            assert following.data_ptr() == tensor.data_ptr() + tensor.numel() * 2
+    with pytest.raises(ValueError):  # pack_rows writes only into its own shape
+        decode_attention.pack_rows(weights[0], out=torch.empty(2, 2, 16, 32, dtype=torch.bfloat16))
+
+
 @needs_step_kernel
 def test_linear_rows_refuses_what_it_cannot_read():
     assert linear_rows is not None
