@@ -86,10 +86,10 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     (AMD EPYC, Zen 4). The packed matrices a decode step streams: see pack_all_rows."""
     if sys.platform != "linux":
         return False
-    huge = HUGE_PAGE
     address = tensor.data_ptr()
-    start = (address + huge - 1) // huge * huge
-    length = (address + tensor.numel() * tensor.element_size() - start) // huge * huge
+    start = (address + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    end = address + tensor.numel() * tensor.element_size()
+    length = (end - start) // HUGE_PAGE * HUGE_PAGE
     if length <= 0:
         return False
     libc = ctypes.CDLL(None, use_errno=True)

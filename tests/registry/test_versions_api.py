@@ -236,25 +236,18 @@ def test_versions_share_an_artifact_and_differ_in_config(
 ) -> None:
     client = client_for("release_manager")
     fp32 = register(client, chat_model.pk, stored_digest, label="fp32")
-    bf16 = register(
-        client,
-        chat_model.pk,
-        stored_digest,
-        label="bf16",
-        base_version=fp32.json()["id"],
-        serving_config={**SERVING_CONFIG, "dtype": "bfloat16"},
-    )
-    assert bf16.status_code == 201
-    assert bf16.json()["base_version"] == fp32.json()["id"]
-    int8 = register(  # the engine's weight-only int8: a release pair with the same artifact
-        client,
-        chat_model.pk,
-        stored_digest,
-        label="int8",
-        base_version=fp32.json()["id"],
-        serving_config={**SERVING_CONFIG, "dtype": "int8"},
-    )
-    assert int8.status_code == 201, int8.json()
+    # bfloat16, and the engine's weight-only int8: release pairs with the same artifact
+    for label, dtype in (("bf16", "bfloat16"), ("int8", "int8")):
+        pair = register(
+            client,
+            chat_model.pk,
+            stored_digest,
+            label=label,
+            base_version=fp32.json()["id"],
+            serving_config={**SERVING_CONFIG, "dtype": dtype},
+        )
+        assert pair.status_code == 201, pair.json()
+        assert pair.json()["base_version"] == fp32.json()["id"]
     listing = client.get("/api/v1/versions/", {"artifact_digest": f"sha256:{stored_digest}"}).json()
     assert listing["count"] == 3
     assert client.get("/api/v1/versions/", {"status": "verified"}).json()["count"] == 0
