@@ -258,8 +258,8 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-        logits, sampling = self.runner.run(batch)
-        tokens, logprobs = sample(logits, sampling)
+        output, sampling = self.runner.run(batch)
+        tokens, logprobs = sample(output.logits, sampling, output.greedy)
         prompt_tokens = 0
         for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.num_computed_tokens < seq.num_prompt_tokens:

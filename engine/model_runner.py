@@ -12,6 +12,7 @@ from engine.models.llama import (
     KVCache,
     LlamaModel,
     PrefillChunk,
+    StepLogits,
 )
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -185,9 +186,47 @@ class ModelRunner:
             start = end
         return groups
 
+    def takes_step_kernel(self, batch: ScheduledBatch) -> bool:
+        """Whether the whole step is the step kernel's: few enough rows, each one new token
+        that samples (a decode, or a prompt's last token)."""
+        rows = len(batch.seqs)
+        return (
+            self.model.step_kernel is not None
+            and batch.num_single_token == rows <= self.model.step_max_rows
+            and self.cache.kv.dtype == torch.bfloat16
+            and all(seq.num_computed_tokens + 1 == len(seq) for seq in batch.seqs)
+        )
+
+    def decode_step(self, seqs: list[Sequence]) -> StepLogits:
+        """A decode-only step in the step kernel, from the little it reads: each row's last
+        token, its blocks and its length (the rows longest first, as _attention_table)."""
+        size = self.block_size
+        lengths = [len(seq) for seq in seqs]
+        width = -(-lengths[0] // size)
+        table: list[int] = []
+        for seq, length in zip(seqs, lengths, strict=True):
+            blocks = -(-length // size)
+            table += seq.block_table[:blocks]
+            table += [0] * (width - blocks)
+        kernel = self.model.step_kernel
+        assert kernel is not None
+        device = self.device
+        return StepLogits(
+            *kernel(
+                torch.tensor([seq.token_ids[-1] for seq in seqs], device=device),
+                self.cache.kv,
+                torch.tensor(table, dtype=torch.int32, device=device).view(len(seqs), width),
+                torch.tensor(lengths, dtype=torch.int32, device=device),
+                greedy=True,
+            )
+        )
+
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Logits [len(sampling), vocab] fp32 for the sequences whose last token was computed."""
+    def run(self, batch: ScheduledBatch) -> tuple[StepLogits, list[Sequence]]:
+        """Logits [len(sampling), vocab] fp32 (and, from the step kernel, their greedy
+        tokens) for the sequences whose last token was computed."""
+        if self.takes_step_kernel(batch):  # every row samples
+            seqs = sorted(batch.seqs, key=len, reverse=True)
+            return self.decode_step(seqs), seqs
         input_ids, positions, meta, logits_indices, sampling = self.prepare(batch)
-        logits = self.model(input_ids, positions, meta, self.cache, logits_indices)
-        return logits, sampling
+        return self.model(input_ids, positions, meta, self.cache, logits_indices), sampling

@@ -12,6 +12,7 @@
    -march=native and loaded with ctypes; it runs on OpenMP threads (torch's runtime). */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1174,57 +1175,139 @@ void linear_rows_bf16(const uint16_t *x, const uint16_t *packed, uint16_t *y, in
     free(b);
 }
 
+/* Each row's greedy token, as argmax_row finds it over the whole row, inside the step's
+   team: each thread searches the part of the logits it wrote (the vocabulary projection's
+   static split of the same tiles), while that part is still in its own core's cache, and
+   one thread joins the parts. Read from one thread after the step, the other core's half
+   took 90 us, a step's 1.5 %. found: [rows, team] scratch. */
+static void argmax_stage(const float *logits, int rows, int vocab, int32_t *found,
+                         int32_t *tokens) {
+    const int tiles = (vocab + LINEAR_TILE - 1) / LINEAR_TILE;
+    const int team = omp_get_num_threads(), me = omp_get_thread_num();
+    int first = -1, end = 0; /* this thread's tiles, [first, end) */
+#pragma omp for schedule(static) nowait
+    for (int tile = 0; tile < tiles; tile++) {
+        if (first < 0) first = tile;
+        end = tile + 1;
+    }
+    const int from = first * LINEAR_TILE, to = end * LINEAR_TILE < vocab ? end * LINEAR_TILE : vocab;
+    for (int row = 0; row < rows; row++)
+        found[row * team + me] = first < 0 ? -1 : from + argmax_row(logits + (long)row * vocab + from, to - from);
+#pragma omp barrier
+#pragma omp for
+    for (int row = 0; row < rows; row++) { /* the first NaN, else the first maximum */
+        const float *x = logits + (long)row * vocab;
+        int32_t best = -1;
+        for (int t = 0; t < team; t++) {
+            const int32_t index = found[row * team + t];
+            if (index < 0) continue;
+            const float value = x[index];
+            const int nan = value != value;
+            if (best < 0) {
+                best = index;
+                continue;
+            }
+            const float top = x[best];
+            const int top_nan = top != top;
+            if (nan ? !top_nan || index < best
+                    : !top_nan && (value > top || (value == top && index < best)))
+                best = index;
+        }
+        tokens[row] = best;
+    }
+}
+
 /* The model's shapes, mirrored by DecodeStepShape in decode_attention.py. */
 typedef struct {
     int layers, hidden, heads, kv_heads, dim, intermediate, vocab, num_blocks, block_size;
+    int positions; /* rows of the rotary tables */
     float eps, scale;
 } step_shape;
 
 enum { INPUT_NORM, QKV, OUTPUT, POST_NORM, GATE_UP, DOWN, PER_LAYER };
+/* after the layers' pointers */
+enum { FINAL_NORM, HEAD, EMBEDDING, COS, SIGNED_SIN, MODEL_WEIGHTS };
+
+/* The step's inputs, checked before anything is read through them: each token in the
+   vocabulary, each length in the rotary tables and in its block table row, each row's
+   block for its new token in the cache. */
+static int step_inputs_fit(const step_shape *m, const int64_t *token_ids,
+                           const int32_t *block_table, int width, const int32_t *lengths,
+                           int rows) {
+    for (int row = 0; row < rows; row++) {
+        const int length = lengths[row];
+        if (token_ids[row] < 0 || token_ids[row] >= m->vocab || length < 1 ||
+            length > m->positions || (length - 1) / m->block_size >= width)
+            return 0;
+        const int32_t block = block_table[(long)row * width + (length - 1) / m->block_size];
+        if (block < 0 || block >= m->num_blocks) return 0;
+    }
+    return 1;
+}
 
 /* weights: PER_LAYER pointers per layer (norm weights plain, matrices packed), then the
-   final norm's weight and the packed vocabulary projection. cache: every layer's
-   [2 * kv_heads, num_blocks * block_size, dim]. residual: [rows, hidden], the token
-   embeddings, used as the residual stream (overwritten). cos, signed_sin: [rows, dim];
-   slot_mapping: [rows]; block_table [rows, width] and lengths [rows] as for
-   decode_attention_bf16. logits: [rows, vocab] fp32. Returns 0, or -1 if out of memory. */
+   final norm's weight, the packed vocabulary projection, the embedding table [vocab,
+   hidden] and the rotary tables cos, signed sin [positions, dim]. cache: every layer's
+   [2 * kv_heads, num_blocks * block_size, dim]. token_ids: [rows], each row's token;
+   block_table [rows, width] and lengths [rows] as for decode_attention_bf16: a row's
+   token is at position lengths[row] - 1, its K and V written to that position's slot.
+   logits: [rows, vocab] fp32; tokens: NULL, or [rows] for each row's greedy token
+   (argmax_rows_f32's). Returns 0, -1 if out of memory, -2 if an input is out of range
+   (step_inputs_fit; nothing is written then). */
 int decode_step_bf16(const step_shape *m, const uint16_t *const *weights, uint16_t *cache,
-                     uint16_t *residual, const uint16_t *cos, const uint16_t *signed_sin,
-                     const int64_t *slot_mapping, const int32_t *block_table, int width,
-                     const int32_t *lengths, float *logits, int rows, int threads) {
+                     const int64_t *token_ids, const int32_t *block_table, int width,
+                     const int32_t *lengths, float *logits, int32_t *tokens, int rows,
+                     int threads) {
+    if (!step_inputs_fit(m, token_ids, block_table, width, lengths, rows)) return -2;
     const int hidden = m->hidden, dim = m->dim, group = m->heads / m->kv_heads;
     const int qkv_width = (m->heads + 2 * m->kv_heads) * dim;
     const long slots = (long)m->num_blocks * m->block_size;
     const long layer_size = 2 * m->kv_heads * slots * dim;
-    const size_t widths = (size_t)2 * hidden + qkv_width + m->heads * dim + 3 * m->intermediate;
+    const uint16_t *const *model = weights + (long)m->layers * PER_LAYER;
+    const size_t widths = (size_t)3 * hidden + qkv_width + m->heads * dim + 3 * m->intermediate;
     uint16_t *scratch = aligned_alloc(64, ((size_t)rows * widths * sizeof(uint16_t) + 63) / 64 * 64);
     if (!scratch) return -1;
-    uint16_t *normed = scratch, *update = normed + (long)rows * hidden;
+    uint16_t *residual = scratch, *normed = residual + (long)rows * hidden;
+    uint16_t *update = normed + (long)rows * hidden;
     uint16_t *qkv = update + (long)rows * hidden, *attended = qkv + (long)rows * qkv_width;
     uint16_t *gate_up = attended + (long)rows * m->heads * dim;
     uint16_t *activated = gate_up + (long)rows * 2 * m->intermediate;
     int widest = hidden > m->intermediate ? hidden : m->intermediate;
     if (m->heads * dim > widest) widest = m->heads * dim;
     uint32_t *b = tile_scratch(rows, widest); /* NULL: the vector kernel */
+    int32_t *found = tokens ? malloc((size_t)rows * (threads > 0 ? threads : 1) * sizeof(int32_t)) : NULL;
+    if (tokens && !found) {
+        free(b);
+        free(scratch);
+        return -1;
+    }
 #pragma omp parallel num_threads(threads)
     for (int layer = 0; layer <= m->layers; layer++) {
         const uint16_t *const *w = weights + (long)layer * PER_LAYER;
 #pragma omp for
-        for (int row = 0; row < rows; row++) /* the last sub-layer's output joins the residual */
+        for (int row = 0; row < rows; row++) { /* the last sub-layer's output joins the residual */
+            if (!layer) /* the residual stream starts as the token's embedding */
+                memcpy(residual + (long)row * hidden, model[EMBEDDING] + token_ids[row] * hidden,
+                       (size_t)hidden * sizeof(uint16_t));
             add_rms_norm_row(layer ? update + (long)row * hidden : NULL,
                              residual + (long)row * hidden, w[INPUT_NORM],
                              normed + (long)row * hidden, hidden, m->eps);
+        }
         if (layer == m->layers) { /* the final norm, then the vocabulary projection */
-            linear_stage(normed, w[1], NULL, logits, rows, hidden, m->vocab, b);
+            linear_stage(normed, model[HEAD], NULL, logits, rows, hidden, m->vocab, b);
+            if (tokens) argmax_stage(logits, rows, m->vocab, found, tokens);
             break;
         }
         uint16_t *layer_cache = cache + layer * layer_size;
         linear_stage(normed, w[QKV], qkv, NULL, rows, hidden, qkv_width, b);
 #pragma omp for
-        for (int row = 0; row < rows; row++)
-            rotary_row(qkv + (long)row * qkv_width, cos + (long)row * dim,
-                       signed_sin + (long)row * dim, slot_mapping[row], layer_cache, slots,
+        for (int row = 0; row < rows; row++) {
+            const int position = lengths[row] - 1, size = m->block_size;
+            const long slot = (long)block_table[(long)row * width + position / size] * size + position % size;
+            rotary_row(qkv + (long)row * qkv_width, model[COS] + (long)position * dim,
+                       model[SIGNED_SIN] + (long)position * dim, slot, layer_cache, slots,
                        m->heads, m->kv_heads, dim);
+        }
 #pragma omp for schedule(dynamic, 1)
         for (long item = 0; item < (long)rows * m->kv_heads; item++)
             attend_item(item, qkv, qkv_width, layer_cache, block_table, width, lengths, attended,
@@ -1241,6 +1324,7 @@ int decode_step_bf16(const step_shape *m, const uint16_t *const *weights, uint16
                          activated + (long)row * m->intermediate, m->intermediate);
         linear_stage(activated, w[DOWN], update, NULL, rows, m->intermediate, hidden, b);
     }
+    free(found);
     free(b);
     free(scratch);
     return 0;

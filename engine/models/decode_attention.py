@@ -366,8 +366,21 @@ class LinearRowsKernel:
 class DecodeStepShape(ctypes.Structure):
     """step_shape in decode_attention.c."""
 
-    INTS = "layers hidden heads kv_heads dim intermediate vocab num_blocks block_size"
+    INTS = "layers hidden heads kv_heads dim intermediate vocab num_blocks block_size positions"
     _fields_ = [*((name, C_INT) for name in INTS.split()), ("eps", C_FLOAT), ("scale", C_FLOAT)]
+
+
+@dataclass(slots=True)
+class StepModel:
+    """The weights decode_step_bf16 reads outside the layers, bf16: the final norm's, the
+    packed vocabulary projection, the embedding table [vocab, hidden] and the rotary
+    tables [positions, dim]."""
+
+    final_norm: torch.Tensor
+    head: torch.Tensor
+    embedding: torch.Tensor
+    cos: torch.Tensor
+    signed_sin: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -384,18 +397,17 @@ class StepLayer:
 
 
 class DecodeStepKernel:
-    """A whole decode step in one call: every layer's norms, linears, rotary + cache write
-    and attention, then the final norm and the vocabulary projection. Up to STEP_MAX_ROWS
-    rows on vector registers, or with tiles (row_tiles) up to TILE_ROWS[1]. Takes
-    the packed matrices of pack_rows."""
+    """A whole decode step in one call: each row's embedding, every layer's norms, linears,
+    rotary + cache write and attention, then the final norm and the vocabulary projection.
+    Up to STEP_MAX_ROWS rows on vector registers, or with tiles (row_tiles) up to
+    TILE_ROWS[1]. Takes the packed matrices of pack_rows."""
 
     def __init__(
         self,
         library: ctypes.CDLL,
         shape: DecodeStepShape,
         layers: list[StepLayer],
-        final_norm: torch.Tensor,
-        head: torch.Tensor,
+        model: StepModel,
     ):
         self.function = bind(
             library,
@@ -404,14 +416,12 @@ class DecodeStepKernel:
                 ctypes.POINTER(DecodeStepShape),
                 POINTER,  # weights: the pointer array
                 POINTER,  # cache
-                POINTER,  # residual: the embeddings, overwritten
-                POINTER,  # cos rows
-                POINTER,  # signed sin rows
-                POINTER,  # slot mapping
+                POINTER,  # token ids
                 POINTER,  # block table
                 C_INT,  # block table width
                 POINTER,  # lengths
                 POINTER,  # logits
+                POINTER,  # greedy tokens, or NULL
                 C_INT,  # rows
                 C_INT,  # threads
             ],
@@ -421,58 +431,72 @@ class DecodeStepKernel:
         self.max_rows = TILE_ROWS[1] if row_tiles() else STEP_MAX_ROWS
         tensors = [t for layer in layers for t in (
             layer.input_norm, layer.qkv, layer.output, layer.post_norm, layer.gate_up, layer.down
-        )] + [final_norm, head]  # fmt: skip
+        )] + [
+            model.final_norm, model.head, model.embedding, model.cos, model.signed_sin
+        ]  # fmt: skip
         if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in tensors):
             raise ValueError("decode_step needs contiguous bf16 weights")
+        shapes = (model.embedding.shape, model.cos.shape, model.signed_sin.shape)
+        rotary = (shape.positions, shape.dim)
+        if shapes != ((shape.vocab, shape.hidden), rotary, rotary):
+            raise ValueError(
+                "decode_step needs [vocab, hidden] embeddings, [positions, dim] rotary"
+            )
+        self.model = model
         self.tensors = tensors  # the pointers below point into these
         self.pointers = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
 
     def __call__(
         self,
-        embeddings: torch.Tensor,
+        token_ids: torch.Tensor,
         cache: torch.Tensor,
-        cos: torch.Tensor,
-        signed_sin: torch.Tensor,
-        slot_mapping: torch.Tensor,
         block_table: torch.Tensor,
         lengths: torch.Tensor,
-    ) -> torch.Tensor:
-        """embeddings: [rows, hidden] bf16, contiguous, used as scratch; cache: every
-        layer's [layers, 2 * kv_heads, blocks, block_size, dim] bf16; cos, signed_sin:
-        [rows, dim] bf16; slot_mapping [rows] int64; block_table, lengths as for
-        DecodeAttentionKernel. Returns the logits [rows, vocab] fp32."""
+        greedy: bool = False,
+    ) -> tuple[torch.Tensor, list[int] | None]:
+        """token_ids: [rows] int64; cache: every layer's [layers, 2 * kv_heads, blocks,
+        block_size, dim] bf16; block_table, lengths as for DecodeAttentionKernel, a row's
+        token at position length - 1. Returns the logits [rows, vocab] fp32 and, if
+        greedy, each row's first maximum (ArgmaxKernel's), found inside the step."""
         shape = self.shape
-        rows = embeddings.shape[0]
-        if not 1 <= rows <= self.max_rows or embeddings.shape[1] != shape.hidden:
-            raise ValueError(f"decode_step takes 1 to {self.max_rows} rows of the hidden size")
-        tensors = (embeddings, cache, cos, signed_sin, block_table, lengths, slot_mapping)
-        if not all(t.is_contiguous() for t in tensors) or cos.shape != (rows, shape.dim):
-            raise ValueError("decode_step needs contiguous inputs, one cos and sin row per row")
+        rows = token_ids.shape[0]
+        if not 1 <= rows <= self.max_rows or token_ids.dtype != torch.int64:
+            raise ValueError(f"decode_step takes 1 to {self.max_rows} int64 token ids")
+        tensors = (token_ids, cache, block_table, lengths)
+        if not all(t.is_contiguous() for t in tensors) or lengths.shape != (rows,):
+            raise ValueError("decode_step needs contiguous inputs, one length per row")
         expected = (shape.layers, 2 * shape.kv_heads, shape.dim)
         if cache.dtype != torch.bfloat16 or (*cache.shape[:2], cache.shape[4]) != expected:
             raise ValueError("decode_step needs the model's bf16 KV cache")
         shape.num_blocks, shape.block_size = cache.shape[2], cache.shape[3]
-        if slot_mapping.dtype != torch.int64 or block_table.dtype != torch.int32:
-            raise ValueError("decode_step needs int64 slots and an int32 block table")
+        if block_table.dtype != torch.int32 or lengths.dtype != torch.int32:
+            raise ValueError("decode_step needs an int32 block table and lengths")
+        if block_table.dim() != 2 or block_table.shape[0] != rows:
+            raise ValueError("decode_step needs one block table row per row")
+        # a ctypes array, not a tensor: read back after the step, while the weights it
+        # streamed have pushed everything else out of the caches, tolist took 50 us
+        tokens = (ctypes.c_int32 * rows)() if greedy else None
         logits = torch.empty((rows, shape.vocab), dtype=torch.float32)
         status = self.function(
             ctypes.byref(shape),
             self.pointers,
             cache.data_ptr(),
-            embeddings.data_ptr(),
-            cos.data_ptr(),
-            signed_sin.data_ptr(),
-            slot_mapping.data_ptr(),
+            token_ids.data_ptr(),
             block_table.data_ptr(),
             block_table.shape[1],
             lengths.data_ptr(),
             logits.data_ptr(),
+            tokens,
             rows,
             torch.get_num_threads(),
         )
+        if status == -2:
+            raise ValueError(
+                "decode_step: a token id, a length or its block is out of range (nothing written)"
+            )
         if status != 0:
             raise MemoryError("decode_step could not allocate its scratch rows")
-        return logits
+        return logits, None if tokens is None else list(tokens)
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -550,10 +574,10 @@ def load_linear_rows() -> LinearRowsKernel | None:
 
 
 def load_decode_step(
-    shape: DecodeStepShape, layers: list[StepLayer], final_norm: torch.Tensor, head: torch.Tensor
+    shape: DecodeStepShape, layers: list[StepLayer], model: StepModel
 ) -> DecodeStepKernel | None:
     """The whole-step kernel for a few decode rows, or None where it cannot run."""
     lib = library()
     if lib is None or not hasattr(lib, "decode_step_bf16"):
         return None
-    return DecodeStepKernel(lib, shape, layers, final_norm, head)
+    return DecodeStepKernel(lib, shape, layers, model)

@@ -15,6 +15,7 @@ import ctypes
 import math
 import sys
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,11 @@ from engine.models.layers import (
 )
 
 MADV_HUGEPAGE = 14  # <sys/mman.h>
+
+
+class StepLogits(NamedTuple):
+    logits: torch.Tensor  # [sampled rows, vocab] fp32
+    greedy: list[int] | None  # each row's first maximum, where the step kernel found it
 
 
 @dataclass(slots=True)
@@ -466,11 +472,20 @@ class LlamaModel(nn.Module):
             dim=config.head_dim,
             intermediate=config.intermediate_size,
             vocab=self.lm_head.out_features,
+            positions=self.cos.shape[0],
             eps=config.rms_norm_eps,
             scale=config.head_dim**-0.5,
         )
-        head = pack(self.lm_head)
-        return decode_attention.load_decode_step(shape, layers, bf16(self.norm.weight), head)
+        table = self.embed.as_linear.weight
+        assert table is not None  # the embedding table keeps its plain copy (Embedding)
+        model = decode_attention.StepModel(
+            final_norm=bf16(self.norm.weight),
+            head=pack(self.lm_head),
+            embedding=table.detach().contiguous(),  # bf16 storage: the table as it is
+            cos=bf16(self.cos).contiguous(),
+            signed_sin=bf16(self.signed_sin).contiguous(),
+        )
+        return decode_attention.load_decode_step(shape, layers, model)
 
     def forward(
         self,
@@ -479,30 +494,10 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         cache: KVCache,
         logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        # input_ids, positions: [tokens]; returns logits [len(logits_indices), vocab] fp32
+    ) -> StepLogits:
+        # input_ids, positions: [tokens]; logits [len(logits_indices), vocab] fp32. Steps of
+        # decode rows only that the step kernel takes do not come here (ModelRunner).
         hidden = self.embed(input_ids)  # [tokens, hidden]
-        table = meta.decode_table
-        rows = input_ids.shape[0]
-        if (
-            self.step_kernel is not None
-            and table is not None
-            and meta.num_decode == rows <= self.step_max_rows
-            and cache.kv.dtype == torch.bfloat16
-        ):
-            # Decode rows only: the whole step in one kernel call, in bf16 (the embedding
-            # rows of bf16 weights are exact in it); every row samples.
-            assert logits_indices.shape[0] == rows
-            bf16 = torch.bfloat16
-            return self.step_kernel(
-                hidden.to(bf16).contiguous(),
-                cache.kv,
-                self.cos[positions].to(bf16),
-                self.signed_sin[positions].to(bf16),
-                meta.slot_mapping,
-                table.block_table,
-                table.lengths,
-            )
         cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
         sin = self.signed_sin[positions].unsqueeze(1)
         if self.norm_kernel is not None:
@@ -514,7 +509,7 @@ class LlamaModel(nn.Module):
             hidden = hidden + layer.mlp(layer.post_attention_norm(hidden))
         # Only rows that sample need the (large) vocabulary projection.
         hidden = self.norm(hidden[logits_indices])
-        return self.lm_head(hidden).float()
+        return StepLogits(self.lm_head(hidden).float(), None)
 
     def _forward_fused(
         self,
@@ -524,7 +519,7 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         cache: KVCache,
         logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> StepLogits:
         """The same layers with the residual stream kept apart: each sub-layer's output is
         added to it and normalised in one kernel call (vLLM's fused_add_rms_norm)."""
         norm = self.norm_kernel
@@ -542,4 +537,4 @@ class LlamaModel(nn.Module):
         rows = residual[logits_indices]
         assert update is not None
         hidden = norm(update[logits_indices], rows, self.norm.weight, self.norm.eps)
-        return self.lm_head(hidden).float()
+        return StepLogits(self.lm_head(hidden).float(), None)

@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.models import decode_attention
 from engine.models.layers import cpu_has_amx
+from engine.sampler import greedy_tokens
 from engine.scheduler import ScheduledBatch
 from engine.sequence import SamplingParams, Sequence
 
@@ -304,11 +305,13 @@ def compare_steps(
                 assert engine.block_manager.ensure_capacity(seq, seq.num_computed_tokens + count)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(count)
-            step_logits, sampling = engine.runner.run(batch)
+            output, sampling = engine.runner.run(batch)
+            if output.greedy is not None:  # the step kernel's own argmax: the sampler's
+                assert output.greedy == greedy_tokens(output.logits)
             for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
                 seq.num_computed_tokens += count
             row_of = {id(seq): row for row, seq in enumerate(sampling)}
-            logits.append(step_logits[[row_of[id(engine_seqs[i])] for i in sampled]])
+            logits.append(output.logits[[row_of[id(engine_seqs[i])] for i in sampled]])
         # bf16 rounding apart (the kernel sums in fp32, the groups round probs to bf16);
         # a wrong block or mask would move logits by their own scale. The worst logit of
         # the tiny models lands 0.03 to 0.04 of the scale apart on every kernel target
@@ -395,9 +398,11 @@ def test_decode_step_kernel_matches_the_pytorch_layers(tiny_llama_dim32: Path):
     calls: list[int] = []
     step_kernel = model.step_kernel
 
-    def counted(embeddings: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
-        calls.append(embeddings.shape[0])
-        return step_kernel(embeddings, *args)
+    def counted(
+        token_ids: torch.Tensor, *args: torch.Tensor, greedy: bool = False
+    ) -> tuple[torch.Tensor, list[int] | None]:
+        calls.append(token_ids.shape[0])
+        return step_kernel(token_ids, *args, greedy=greedy)
 
     model.step_kernel = counted  # type: ignore[assignment]
     rng = random.Random(2)
@@ -423,3 +428,96 @@ def test_decode_step_kernel_matches_the_pytorch_layers(tiny_llama_dim32: Path):
     caches = [engine.runner.cache.kv.float() for engine in engines]
     scale = caches[1].abs().max().item()
     assert (caches[0] - caches[1]).abs().max().item() <= 0.04 * scale
+
+
+@needs_step_kernel
+@pytest.mark.parametrize("count", ["one", "three", "most"])
+def test_decode_step_kernel_greedy_tokens_are_each_rows_first_maximum(
+    tiny_llama_dim32: Path, count: str
+):
+    """The step finds its greedy tokens inside its thread team, each thread in its own part
+    of the vocabulary: a tie or a NaN across the parts goes to the first index, as the
+    sampler's argmax has it (with tiles, the most rows, 64, take the tile path)."""
+    engine = engine_for(tiny_llama_dim32, use_kernel=True)
+    model = engine.runner.model
+    step_kernel = model.step_kernel
+    assert step_kernel is not None
+    rows = {"one": 1, "three": 3, "most": step_kernel.max_rows}[count]
+    head = step_kernel.model.head  # the packed vocabulary projection, [tiles, in/32, 16, 32]
+    vocab = model.lm_head.out_features
+    generator = torch.Generator().manual_seed(rows)
+
+    def step() -> tuple[torch.Tensor, list[int]]:
+        logits, greedy = step_kernel(
+            torch.randint(0, vocab, (rows,), generator=generator),
+            engine.runner.cache.kv,
+            torch.arange(rows, dtype=torch.int32).view(rows, 1),  # row i's one key in block i
+            torch.ones(rows, dtype=torch.int32),
+            greedy=True,
+        )
+        assert greedy is not None and greedy == greedy_tokens(logits)
+        return logits, greedy
+
+    def copy_row(source: int, target: int) -> None:
+        head[target // 16, :, target % 16] = head[source // 16, :, source % 16]
+
+    _, first = step()
+    # the first row's maximum copied to the first and the last output (the same inputs
+    # again): three equal maxima in both parts of the vocabulary, the first output's first
+    generator.manual_seed(rows)
+    copy_row(first[0], 0)
+    copy_row(first[0], vocab - 1)
+    logits, tokens = step()
+    assert tokens[0] == 0 and logits[0, 0] == logits[0, vocab - 1] == logits[0].max()
+    # NaN outputs win, the first of them: one in each half
+    head[(vocab - 1) // 16, :, (vocab - 1) % 16] = float("nan")
+    logits, tokens = step()
+    assert tokens == [vocab - 1] * rows
+    nan_first = 17
+    head[nan_first // 16, :, nan_first % 16] = float("nan")
+    logits, tokens = step()
+    assert tokens == [nan_first] * rows and logits[:, nan_first].isnan().all()
+
+
+@needs_step_kernel
+def test_decode_step_kernel_refuses_ids_and_lengths_out_of_range(tiny_llama_dim32: Path):
+    """The kernel reads the embedding, rotary and cache rows its inputs name: one out of
+    range is refused before anything is read or written."""
+    engine = engine_for(tiny_llama_dim32, use_kernel=True)
+    step_kernel = engine.runner.model.step_kernel
+    assert step_kernel is not None
+    cache = engine.runner.cache.kv
+    before = cache.clone()
+    vocab, positions = step_kernel.shape.vocab, step_kernel.shape.positions
+    blocks = cache.shape[2]
+    size = cache.shape[3]
+
+    def call(token: int, length: int, block: int, width: int = 1) -> None:
+        step_kernel(
+            torch.tensor([token]),
+            cache,
+            torch.full((1, width), block, dtype=torch.int32),
+            torch.tensor([length], dtype=torch.int32),
+        )
+
+    for token, length, block, width in [
+        (vocab, 1, 0, 1),  # a token past the vocabulary
+        (-1, 1, 0, 1),
+        (5, 0, 0, 1),  # no position
+        (5, positions + 1, 0, -(-(positions + 1) // size)),  # past the rotary tables
+        (5, size + 1, 0, 1),  # its position's block is not in the table
+        (5, 1, blocks, 1),  # a block past the cache
+        (5, 1, -1, 1),
+    ]:
+        with pytest.raises(ValueError, match="out of range"):
+            call(token, length, block, width)
+    assert torch.equal(cache, before)
+    call(5, 1, 0)  # in range: the cache's block 0 takes the token's keys and values
+    assert not torch.equal(cache, before)
+    logits, greedy = step_kernel(
+        torch.tensor([5]),
+        cache,
+        torch.zeros((1, 1), dtype=torch.int32),
+        torch.ones(1, dtype=torch.int32),
+    )
+    assert greedy is None and logits.shape == (1, vocab)  # greedy tokens only when asked
