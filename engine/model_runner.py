@@ -210,16 +210,8 @@ class ModelRunner:
             table += [0] * (width - blocks)
         kernel = self.model.step_kernel
         assert kernel is not None
-        device = self.device
-        return StepLogits(
-            *kernel(
-                torch.tensor([seq.token_ids[-1] for seq in seqs], device=device),
-                self.cache.kv,
-                torch.tensor(table, dtype=torch.int32, device=device).view(len(seqs), width),
-                torch.tensor(lengths, dtype=torch.int32, device=device),
-                greedy=True,
-            )
-        )
+        token_ids = [seq.token_ids[-1] for seq in seqs]
+        return StepLogits(*kernel(token_ids, self.cache.kv, table, lengths, greedy=True))
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[StepLogits, list[Sequence]]:

@@ -443,48 +443,58 @@ class DecodeStepKernel:
                 "decode_step needs [vocab, hidden] embeddings, [positions, dim] rotary"
             )
         self.model = model
+        self.cache: torch.Tensor | None = None  # the KV cache checked last (_check_cache)
+        self.cache_pointer = 0
         self.tensors = tensors  # the pointers below point into these
         self.pointers = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
 
+    def _check_cache(self, cache: torch.Tensor) -> None:
+        shape = self.shape
+        expected = (shape.layers, 2 * shape.kv_heads, shape.dim)
+        if (
+            cache.dtype != torch.bfloat16
+            or cache.dim() != 5
+            or (*cache.shape[:2], cache.shape[4]) != expected
+            or not cache.is_contiguous()
+        ):
+            raise ValueError("decode_step needs the model's contiguous bf16 KV cache")
+        shape.num_blocks, shape.block_size = cache.shape[2], cache.shape[3]
+        self.cache, self.cache_pointer = cache, cache.data_ptr()
+
     def __call__(
         self,
-        token_ids: torch.Tensor,
+        token_ids: list[int],
         cache: torch.Tensor,
-        block_table: torch.Tensor,
-        lengths: torch.Tensor,
+        block_table: list[int],
+        lengths: list[int],
         greedy: bool = False,
     ) -> tuple[torch.Tensor, list[int] | None]:
-        """token_ids: [rows] int64; cache: every layer's [layers, 2 * kv_heads, blocks,
-        block_size, dim] bf16; block_table, lengths as for DecodeAttentionKernel, a row's
-        token at position length - 1. Returns the logits [rows, vocab] fp32 and, if
-        greedy, each row's first maximum (ArgmaxKernel's), found inside the step."""
-        shape = self.shape
-        rows = token_ids.shape[0]
-        if not 1 <= rows <= self.max_rows or token_ids.dtype != torch.int64:
-            raise ValueError(f"decode_step takes 1 to {self.max_rows} int64 token ids")
-        tensors = (token_ids, cache, block_table, lengths)
-        if not all(t.is_contiguous() for t in tensors) or lengths.shape != (rows,):
-            raise ValueError("decode_step needs contiguous inputs, one length per row")
-        expected = (shape.layers, 2 * shape.kv_heads, shape.dim)
-        if cache.dtype != torch.bfloat16 or (*cache.shape[:2], cache.shape[4]) != expected:
-            raise ValueError("decode_step needs the model's bf16 KV cache")
-        shape.num_blocks, shape.block_size = cache.shape[2], cache.shape[3]
-        if block_table.dtype != torch.int32 or lengths.dtype != torch.int32:
-            raise ValueError("decode_step needs an int32 block table and lengths")
-        if block_table.dim() != 2 or block_table.shape[0] != rows:
-            raise ValueError("decode_step needs one block table row per row")
-        # a ctypes array, not a tensor: read back after the step, while the weights it
-        # streamed have pushed everything else out of the caches, tolist took 50 us
+        """token_ids: each row's token; cache: every layer's [layers, 2 * kv_heads, blocks,
+        block_size, dim] bf16; block_table: the rows' block tables one after another, each
+        padded to the widest; lengths: each row's keys, its token at position length - 1.
+        Returns the logits [rows, vocab] fp32 and, if greedy, each row's first maximum
+        (ArgmaxKernel's), found inside the step.
+
+        The step's few integers come as lists and go to C as ctypes arrays: between two
+        steps every tensor op ran from memory (the weights a step streams fill the
+        caches), 10 to 50 us each, and building the inputs as tensors took 130 us."""
+        rows = len(token_ids)
+        if not 1 <= rows <= self.max_rows or len(lengths) != rows:
+            raise ValueError(f"decode_step takes 1 to {self.max_rows} rows, one length each")
+        if not block_table or len(block_table) % rows:
+            raise ValueError("decode_step needs one block table row per row, all as wide")
+        if cache is not self.cache:
+            self._check_cache(cache)
         tokens = (ctypes.c_int32 * rows)() if greedy else None
-        logits = torch.empty((rows, shape.vocab), dtype=torch.float32)
+        logits = torch.empty((rows, self.shape.vocab), dtype=torch.float32)
         status = self.function(
-            ctypes.byref(shape),
+            ctypes.byref(self.shape),
             self.pointers,
-            cache.data_ptr(),
-            token_ids.data_ptr(),
-            block_table.data_ptr(),
-            block_table.shape[1],
-            lengths.data_ptr(),
+            self.cache_pointer,
+            (ctypes.c_int64 * rows)(*token_ids),
+            (ctypes.c_int32 * len(block_table))(*block_table),
+            len(block_table) // rows,
+            (ctypes.c_int32 * rows)(*lengths),
             logits.data_ptr(),
             tokens,
             rows,

@@ -399,10 +399,14 @@ def test_decode_step_kernel_matches_the_pytorch_layers(tiny_llama_dim32: Path):
     step_kernel = model.step_kernel
 
     def counted(
-        token_ids: torch.Tensor, *args: torch.Tensor, greedy: bool = False
+        token_ids: list[int],
+        cache: torch.Tensor,
+        block_table: list[int],
+        lengths: list[int],
+        greedy: bool = False,
     ) -> tuple[torch.Tensor, list[int] | None]:
-        calls.append(token_ids.shape[0])
-        return step_kernel(token_ids, *args, greedy=greedy)
+        calls.append(len(token_ids))
+        return step_kernel(token_ids, cache, block_table, lengths, greedy=greedy)
 
     model.step_kernel = counted  # type: ignore[assignment]
     rng = random.Random(2)
@@ -449,10 +453,10 @@ def test_decode_step_kernel_greedy_tokens_are_each_rows_first_maximum(
 
     def step() -> tuple[torch.Tensor, list[int]]:
         logits, greedy = step_kernel(
-            torch.randint(0, vocab, (rows,), generator=generator),
+            torch.randint(0, vocab, (rows,), generator=generator).tolist(),
             engine.runner.cache.kv,
-            torch.arange(rows, dtype=torch.int32).view(rows, 1),  # row i's one key in block i
-            torch.ones(rows, dtype=torch.int32),
+            list(range(rows)),  # row i's one key in block i
+            [1] * rows,
             greedy=True,
         )
         assert greedy is not None and greedy == greedy_tokens(logits)
@@ -493,12 +497,7 @@ def test_decode_step_kernel_refuses_ids_and_lengths_out_of_range(tiny_llama_dim3
     size = cache.shape[3]
 
     def call(token: int, length: int, block: int, width: int = 1) -> None:
-        step_kernel(
-            torch.tensor([token]),
-            cache,
-            torch.full((1, width), block, dtype=torch.int32),
-            torch.tensor([length], dtype=torch.int32),
-        )
+        step_kernel([token], cache, [block] * width, [length])
 
     for token, length, block, width in [
         (vocab, 1, 0, 1),  # a token past the vocabulary
@@ -514,10 +513,9 @@ def test_decode_step_kernel_refuses_ids_and_lengths_out_of_range(tiny_llama_dim3
     assert torch.equal(cache, before)
     call(5, 1, 0)  # in range: the cache's block 0 takes the token's keys and values
     assert not torch.equal(cache, before)
-    logits, greedy = step_kernel(
-        torch.tensor([5]),
-        cache,
-        torch.zeros((1, 1), dtype=torch.int32),
-        torch.ones(1, dtype=torch.int32),
-    )
+    logits, greedy = step_kernel([5], cache, [0], [1])
     assert greedy is None and logits.shape == (1, vocab)  # greedy tokens only when asked
+    with pytest.raises(ValueError, match="one block table row per row"):
+        step_kernel([5, 6], cache, [0, 1, 2], [1, 1])
+    with pytest.raises(ValueError, match="KV cache"):
+        step_kernel([5], cache.float(), [0], [1])
