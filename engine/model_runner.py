@@ -213,12 +213,15 @@ class ModelRunner:
         token_ids = [seq.token_ids[-1] for seq in seqs]
         return StepLogits(*kernel(token_ids, self.cache.kv, table, lengths, greedy=True))
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[StepLogits, list[Sequence]]:
         """Logits [len(sampling), vocab] fp32 (and, from the step kernel, their greedy
         tokens) for the sequences whose last token was computed."""
-        if self.takes_step_kernel(batch):  # every row samples
+        if self.takes_step_kernel(batch):  # every row samples; no tensor op to record
             seqs = sorted(batch.seqs, key=len, reverse=True)
             return self.decode_step(seqs), seqs
+        return self._run_layers(batch)
+
+    @torch.inference_mode()
+    def _run_layers(self, batch: ScheduledBatch) -> tuple[StepLogits, list[Sequence]]:
         input_ids, positions, meta, logits_indices, sampling = self.prepare(batch)
         return self.model(input_ids, positions, meta, self.cache, logits_indices), sampling
