@@ -1217,6 +1217,25 @@ static void argmax_stage(const float *logits, int rows, int vocab, int32_t *foun
     }
 }
 
+/* The first LINEAR_PREFETCH values of this thread's part of the matrix linear_rows reads
+   next (its output tiles under schedule(static), split as GCC's OpenMP splits them: the
+   first tiles % team threads take one more), fetched into L2 while a one-row stage runs
+   on one thread and the other waits at its barrier: each matrix otherwise started from
+   memory with nothing prefetched. A single-stream decode step 1.2 % faster (alternated
+   step by step on the AMD EPYC VM, 381 pairs, twice); every other line, or twice as
+   far, no better. */
+static inline void prefetch_own_tiles(const uint16_t *packed, int in, int out) {
+    const int tiles = (out + LINEAR_TILE - 1) / LINEAR_TILE;
+    const int team = omp_get_num_threads(), me = omp_get_thread_num();
+    int share = tiles / team, extra = tiles % team;
+    if (me < extra) share++, extra = 0;
+    if (!share) return;
+    const char *start = (const char *)(packed + (long)(share * me + extra) * LINEAR_TILE * in);
+    const long bytes = (long)share * LINEAR_TILE * in * 2;
+    const long end = bytes < LINEAR_PREFETCH * 2 ? bytes : LINEAR_PREFETCH * 2;
+    for (long byte = 0; byte < end; byte += 64) _mm_prefetch(start + byte, _MM_HINT_T1);
+}
+
 /* The model's shapes, mirrored by DecodeStepShape in decode_attention.py. */
 typedef struct {
     int layers, hidden, heads, kv_heads, dim, intermediate, vocab, num_blocks, block_size;
@@ -1284,6 +1303,9 @@ int decode_step_bf16(const step_shape *m, const uint16_t *const *weights, uint16
 #pragma omp parallel num_threads(threads)
     for (int layer = 0; layer <= m->layers; layer++) {
         const uint16_t *const *w = weights + (long)layer * PER_LAYER;
+        if (!b) /* few rows: the one-row stages leave a thread idle */
+            layer < m->layers ? prefetch_own_tiles(w[QKV], hidden, qkv_width)
+                              : prefetch_own_tiles(model[HEAD], hidden, m->vocab);
 #pragma omp for
         for (int row = 0; row < rows; row++) { /* the last sub-layer's output joins the residual */
             if (!layer) /* the residual stream starts as the token's embedding */
@@ -1308,16 +1330,19 @@ int decode_step_bf16(const step_shape *m, const uint16_t *const *weights, uint16
                        model[SIGNED_SIN] + (long)position * dim, slot, layer_cache, slots,
                        m->heads, m->kv_heads, dim);
         }
+        if (!b) prefetch_own_tiles(w[OUTPUT], m->heads * dim, hidden);
 #pragma omp for schedule(dynamic, 1)
         for (long item = 0; item < (long)rows * m->kv_heads; item++)
             attend_item(item, qkv, qkv_width, layer_cache, block_table, width, lengths, attended,
                         m->kv_heads, group, dim, slots * dim, m->block_size, m->scale);
         linear_stage(attended, w[OUTPUT], update, NULL, rows, m->heads * dim, hidden, b);
+        if (!b) prefetch_own_tiles(w[GATE_UP], hidden, 2 * m->intermediate);
 #pragma omp for
         for (int row = 0; row < rows; row++)
             add_rms_norm_row(update + (long)row * hidden, residual + (long)row * hidden,
                              w[POST_NORM], normed + (long)row * hidden, hidden, m->eps);
         linear_stage(normed, w[GATE_UP], gate_up, NULL, rows, hidden, 2 * m->intermediate, b);
+        if (!b) prefetch_own_tiles(w[DOWN], m->intermediate, hidden);
 #pragma omp for
         for (int row = 0; row < rows; row++)
             silu_mul_row(gate_up + (long)row * 2 * m->intermediate,
