@@ -114,11 +114,18 @@ def test_render_handles_a_skipped_figure():
 
 
 def test_each_decode_run_meets_the_faster_read_beside_it():
-    from bench.engine_bench import InProcessResult
+    from bench.engine_bench import DecodeWindow, InProcessResult
 
+    windows = [  # 0.2 GB at 100 tok/s is 20 GB/s: ratios 0.8, 0.5, 0.9, 0.4
+        DecodeWindow(100.0, 25.0),
+        DecodeWindow(100.0, 40.0),
+        DecodeWindow(135.0, 30.0),
+        DecodeWindow(80.0, 40.0),
+    ]
     result = InProcessResult(
         decode_rates=[100.0, 150.0, 120.0],
         bandwidths=[25.0, 30.0, 60.0, 24.0],  # GB/s; one read caught a fast moment
+        windows=windows,
         weight_bytes=200_000_000,
         prefill_seconds=0.1,
         ceilings=None,
@@ -128,3 +135,8 @@ def test_each_decode_run_meets_the_faster_read_beside_it():
     # 100 tok/s x 0.2 GB = 20 GB/s against 30; 30 against 60; 24 against 60
     assert result.round_ratios() == pytest.approx([20 / 30, 30 / 60, 24 / 60])
     assert result.decode_rate == 150.0
+    # the headline: the window of the median ratio, the lower of the middle two
+    assert result.median_window() is windows[1]
+    assert windows[1].ratio(result.weight_bytes) == pytest.approx(0.5)
+    result.windows = windows[:3]
+    assert result.median_window() is windows[0]
