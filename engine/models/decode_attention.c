@@ -1245,7 +1245,7 @@ typedef struct {
 
 enum { INPUT_NORM, QKV, OUTPUT, POST_NORM, GATE_UP, DOWN, PER_LAYER };
 /* after the layers' pointers */
-enum { FINAL_NORM, HEAD, EMBEDDING, COS, SIGNED_SIN, MODEL_WEIGHTS };
+enum { FINAL_NORM, HEAD, EMBEDDING, COS, SIGNED_SIN };
 
 /* The step's inputs, checked before anything is read through them: each token in the
    vocabulary, each length in the rotary tables and in its block table row, each row's
