@@ -105,6 +105,17 @@ def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randint(300, 40000) for _ in range(length)] for _ in range(count)]
 
 
+# The engine serves on CUDA where present (engine.llm_engine.pick_device); the reference,
+# the reads and the kernel ceilings run where it runs.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def synchronize() -> None:
+    """Wait for queued GPU work before a clock is read (nothing to wait for on CPU)."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -225,7 +236,7 @@ def reference_model(model: str, dtype: torch.dtype) -> Any:
     )  # fmt: skip
     reference.load_state_dict(checkpoint.weights, strict=False)
     reference.tie_weights()
-    return reference.to(dtype).eval()
+    return reference.to(device=DEVICE, dtype=dtype).eval()
 
 
 @dataclass(slots=True)
@@ -263,8 +274,9 @@ def run_reference(
         left = max_time - (time.perf_counter() - started)
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max(limits),
-                do_sample=False, pad_token_id=eos, max_time=max(left, 1.0),
+                input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE),
+                max_new_tokens=max(limits), do_sample=False, pad_token_id=eos,
+                max_time=max(left, 1.0),
             )[:, longest:]  # fmt: skip
         if out.shape[1] < max(limits) and not bool((out == eos).any(dim=1).all()):
             hit_time_limit = True
@@ -305,26 +317,30 @@ def reference_dtype(options: Options) -> tuple[torch.dtype, str | None]:
 def reference_forward_seconds(options: Options, tokens: int) -> dict[str, float]:
     """One HF forward pass of a `tokens`-token prompt in each dtype: why fp32 is chosen."""
     model = reference_model(options.model, torch.float32)
-    ids = torch.tensor([random_prompts(1, tokens, seed=5)[0]])
+    ids = torch.tensor([random_prompts(1, tokens, seed=5)[0]], device=DEVICE)
     seconds: dict[str, float] = {}
     with torch.inference_mode():
         for dtype in (torch.float32, torch.bfloat16):
             model = model.to(dtype)
             model(input_ids=ids[:, :8])  # warm the kernels
+            synchronize()
             started = time.perf_counter()
             model(input_ids=ids)
+            synchronize()
             seconds[str(dtype).removeprefix("torch.")] = time.perf_counter() - started
     return seconds
 
 
 # ---- in-process figures: bandwidth, single-stream decode, prefill time -------------------
 def read_bandwidth_gbs() -> float:
-    data = torch.ones(128 * 2**20)  # 512 MiB of fp32, far beyond any cache
+    data = torch.ones(128 * 2**20, device=DEVICE)  # 512 MiB of fp32, far beyond any cache
     data.sum()
     best = float("inf")
     for _ in range(5):
+        synchronize()
         started = time.perf_counter()
         data.sum()
+        synchronize()
         best = min(best, time.perf_counter() - started)
     return data.numel() * 4 / best / 1e9
 
@@ -334,14 +350,16 @@ class WindowReader:
     better of two (about 12 ms at 45 GB/s, against a window's 100 or so)."""
 
     def __init__(self) -> None:
-        self.data = torch.ones(WINDOW_READ_MIB * 2**20 // 4)
+        self.data = torch.ones(WINDOW_READ_MIB * 2**20 // 4, device=DEVICE)
         self.data.sum()
 
     def __call__(self) -> float:
         best = float("inf")
         for _ in range(2):
+            synchronize()
             started = time.perf_counter()
             self.data.sum()
+            synchronize()
             best = min(best, time.perf_counter() - started)
         return self.data.numel() * 4 / best / 1e9
 
@@ -433,13 +451,15 @@ def measure_ceilings(model: Any, rows: int) -> KernelCeilings:
 
     def best_pass(count: int, repeats: int) -> float:
         inputs = {m.in_features: torch.randn(count, m.in_features) for m in linears}
-        inputs = {width: x.to(model.compute_dtype) for width, x in inputs.items()}
+        inputs = {w: x.to(DEVICE, model.compute_dtype) for w, x in inputs.items()}
         best = float("inf")
         with torch.inference_mode():
             for _ in range(repeats + 1):  # the first pass warms the kernels
+                synchronize()
                 started = time.perf_counter()
                 for module in linears:
                     module(inputs[module.in_features])
+                synchronize()
                 best = min(best, time.perf_counter() - started)
         return best
 
@@ -495,7 +515,11 @@ def in_process(options: Options) -> InProcessResult:
     from engine.llm_engine import LLMEngine
     from engine.sequence import SamplingParams, Sequence
 
-    engine = LLMEngine(EngineConfig(model=options.model, dtype=options.dtype, max_model_len=1024))
+    engine = LLMEngine(
+        EngineConfig(
+            model=options.model, dtype=options.dtype, max_model_len=1024, device=DEVICE.type
+        )
+    )
     engine.load()
     engine.warm_up()
 
@@ -579,11 +603,12 @@ def measure(options: Options) -> dict[str, Any]:
     started = time.monotonic()
     end = started + options.budget_s
     torch.set_num_threads(options.threads)
+    gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "none"
     print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, threads "
-          f"{options.threads}, cuda {torch.cuda.is_available()}, dtype {options.dtype}, "
+          f"{options.threads}, GPU {gpu}, dtype {options.dtype}, "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     notes = [
-        f"{os.cpu_count()} CPUs, {options.threads} threads, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPUs, {options.threads} threads, GPU {gpu}, torch {torch.__version__}, "
         f"dtype {options.dtype}; load average {os.getloadavg()[0]:.1f} at the start "
         "(other work on the machine slows every figure)"
     ]

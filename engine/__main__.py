@@ -20,7 +20,8 @@ from engine.server import EngineApp
 
 def default_dtype() -> str:
     # On CUDA and on CPUs with native bf16 dot products (avx512_bf16, AMX) bf16 GEMMs run
-    # ~4x faster than fp32, and bf16 answers the reference prompts right. On other x86
+    # ~4x faster than fp32, and bf16 answers the reference prompts right (on an H200 only
+    # with the logits kept in fp32: Linear.forward_fp32). On other x86
     # CPUs where the kernel library builds (AVX2), bf16 weights still win: batches compute
     # on an fp32 copy, as fast as float32, and decode steps of a few rows run in the step
     # kernel on the bf16 weights (SmolLM2, 2-core AVX2 VM: 60-74 tok/s against 14).

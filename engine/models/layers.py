@@ -88,6 +88,16 @@ class Linear(nn.Module):
             elif dtype == torch.bfloat16:
                 self.packed = pack_for_onednn(self.weight.detach())
 
+    def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """The projection with fp32 outputs, for logits. On CUDA a bf16 matmul accumulates
+        in fp32 and keeps it (mm's out_dtype) instead of rounding each output to bf16: a
+        logit near 25 would move by up to 1/16, more than SmolLM2's own margin between
+        "The" and "L" on the Paris prompt (0.08 in fp32)."""
+        weight = self.weight
+        if x.is_cuda and weight is not None and x.dtype == weight.dtype == torch.bfloat16:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        return self(x).float()
+
     @property
     def storage_bytes(self) -> int:
         """The matrix's size in its storage dtype: what one pass over it reads at least."""

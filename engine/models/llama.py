@@ -509,7 +509,7 @@ class LlamaModel(nn.Module):
             hidden = hidden + layer.mlp(layer.post_attention_norm(hidden))
         # Only rows that sample need the (large) vocabulary projection.
         hidden = self.norm(hidden[logits_indices])
-        return StepLogits(self.lm_head(hidden).float(), None)
+        return StepLogits(self.lm_head.forward_fp32(hidden), None)
 
     def _forward_fused(
         self,
@@ -537,4 +537,4 @@ class LlamaModel(nn.Module):
         rows = residual[logits_indices]
         assert update is not None
         hidden = norm(update[logits_indices], rows, self.norm.weight, self.norm.eps)
-        return StepLogits(self.lm_head(hidden).float(), None)
+        return StepLogits(self.lm_head.forward_fp32(hidden), None)

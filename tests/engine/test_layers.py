@@ -122,3 +122,19 @@ def test_kv_cache_asks_for_huge_pages_and_starts_zeroed():
     assert cache.huge_pages == (sys.platform == "linux")
     assert not cache.kv.any()
     assert not advise_huge_pages(torch.empty(1024))  # no whole 2 MiB page inside
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fp32 logits path is CUDA's")
+def test_logits_on_cuda_keep_the_fp32_accumulation():
+    """bf16 weights on CUDA: the vocabulary projection keeps its fp32 sums (mm's out_dtype)
+    rather than rounding each logit to bf16, which flipped SmolLM2's first token on the
+    Paris prompt on an H200 ("L" for "The", 0.08 apart)."""
+    torch.manual_seed(0)
+    weight = torch.randn(512, 64, device="cuda")
+    linear = Linear(weight, "bfloat16", torch.bfloat16)
+    x = torch.randn(3, 64, device="cuda").to(torch.bfloat16)
+    logits = linear.forward_fp32(x)
+    exact = x.double() @ linear.weight.double().t()
+    assert logits.dtype == torch.float32
+    assert (logits.double() - exact).abs().max() < 1e-4
+    assert (linear(x).double() - exact).abs().max() > 1e-3  # the bf16-rounded outputs
