@@ -692,7 +692,8 @@ def measure(options: Options) -> dict[str, Any]:
           f"{options.in_flight} in flight, {serving.tokens} useful tokens in "
           f"{serving.seconds:.1f}s = {engine_rate:.1f} tok/s (prefix hits "
           f"{stats.get('prefix_cache_hits_total', 0)}, preemptions "
-          f"{stats.get('num_preemptions_total', 0)})", flush=True)  # fmt: skip
+          f"{stats.get('num_preemptions_total', 0)}, decode graphs "
+          f"{stats.get('decode_graphs', 0)})", flush=True)  # fmt: skip
     if serving.submitted < len(workload.prompts):
         notes.append(
             f"serving: the time budget stopped submissions after {serving.submitted} of "

@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-batched-tokens", type=int, default=512)
     serve.add_argument("--max-queue", type=int, default=256)
     serve.add_argument("--no-prefix-caching", action="store_true")
+    serve.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run decode steps op by op instead of replaying CUDA graphs",
+    )
     serve.add_argument("--fault-latency-ms", type=float, default=0.0)
     serve.add_argument("--fault-error-rate", type=float, default=0.0)
     serve.add_argument("--device", default="", help="cpu or cuda (default: cuda when present)")
@@ -120,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_queue=args.max_queue,
             enable_prefix_caching=not args.no_prefix_caching,
+            enforce_eager=args.enforce_eager,
             fault_latency_ms=args.fault_latency_ms,
             fault_error_rate=args.fault_error_rate,
         )

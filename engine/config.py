@@ -53,6 +53,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_queue: int = 256
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # on CUDA: no decode graphs (engine/cuda_graphs.py)
     fault_latency_ms: float = 0.0
     fault_error_rate: float = 0.0
     embedding_batch_size: int = 32

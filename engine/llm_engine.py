@@ -145,8 +145,15 @@ class LLMEngine:
         model = LlamaModel(
             self.model_config, checkpoint.weights, config.dtype, self.device, self.compute_dtype
         )
+        graph_blocks = 0 if config.enforce_eager else -(-config.max_model_len // config.block_size)
         self.runner = ModelRunner(
-            model, self.model_config, config.num_blocks, config.block_size, cache_dtype, self.device
+            model,
+            self.model_config,
+            config.num_blocks,
+            config.block_size,
+            cache_dtype,
+            self.device,
+            graph_blocks,
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
@@ -172,6 +179,10 @@ class LLMEngine:
         while not seq.is_finished:
             self._step(record=False)
         self.block_manager.free(seq)
+        if self.runner.graphs is not None:
+            why_not = self.runner.capture_graphs()
+            if why_not is not None:
+                logger.warning("%s", why_not)
 
     def start(self) -> None:
         self.state = "ready"
@@ -413,5 +424,9 @@ class LLMEngine:
             else 0,
             "num_preemptions_total": self.scheduler.num_preemptions
             if self.state != "loading"
+            else 0,
+            # CUDA graphs that replay decode steps (0: every step runs op by op)
+            "decode_graphs": len(self.runner.graphs.graphs)
+            if self.state != "loading" and self.runner.graphs_ready and self.runner.graphs
             else 0,
         }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import LlamaConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import (
     AttentionMetadata,
     DecodeGroup,
@@ -30,15 +31,23 @@ class ModelRunner:
         block_size: int,
         cache_dtype: torch.dtype,
         device: torch.device,
+        graph_blocks: int = 0,
     ):
+        """graph_blocks: on CUDA, replay decode-only steps from CUDA graphs for block tables
+        of up to this many blocks (engine/cuda_graphs.py; 0: every step runs eagerly)."""
         self.model = model
         self.config = config
         self.block_size = block_size
         self.device = device
-        self.cache = KVCache(config, num_blocks, block_size, cache_dtype, device)
+        # the spare block the graphs' padding rows write to, on every device (one block)
+        self.cache = KVCache(config, num_blocks, block_size, cache_dtype, device, graph_blocks > 0)
         self.compute_dtype = model.compute_dtype
-        # plane * num_blocks: the first row of each K/V head plane in the flat cache view
-        self.plane_offsets = torch.arange(2 * config.num_kv_heads, device=device) * num_blocks
+        graphs = graph_blocks > 0 and device.type == "cuda"
+        self.graphs = DecodeGraphs(model, self.cache, block_size, graph_blocks) if graphs else None
+        self.graphs_ready = False  # set once capture_graphs succeeded
+        # plane * blocks: the first row of each K/V head plane in the flat cache view
+        planes = torch.arange(2 * config.num_kv_heads, device=device)
+        self.plane_offsets = planes * self.cache.kv.shape[2]
         self.key_offsets = self.plane_offsets[: config.num_kv_heads]
         self.value_offsets = self.plane_offsets[config.num_kv_heads :] * block_size
         self.slot_in_block = torch.arange(block_size, device=device)
@@ -186,15 +195,33 @@ class ModelRunner:
             start = end
         return groups
 
+    def capture_graphs(self) -> str | None:
+        """Capture the decode graphs; None, or why every step stays eager."""
+        if self.graphs is None:
+            return "no graphs (not CUDA, or --enforce-eager)"
+        try:
+            self.graphs.capture()
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as error:
+            self.graphs = None
+            return f"decode graphs not captured, every step runs eagerly: {error}"
+        self.graphs_ready = True
+        return None
+
+    @staticmethod
+    def decode_only(batch: ScheduledBatch) -> bool:
+        """Each row one new token that samples (a decode, or a prompt's last token)."""
+        return batch.num_single_token == len(batch.seqs) and all(
+            seq.num_computed_tokens + 1 == len(seq) for seq in batch.seqs
+        )
+
     def takes_step_kernel(self, batch: ScheduledBatch) -> bool:
         """Whether the whole step is the step kernel's: few enough rows, each one new token
         that samples (a decode, or a prompt's last token)."""
-        rows = len(batch.seqs)
         return (
             self.model.step_kernel is not None
-            and batch.num_single_token == rows <= self.model.step_max_rows
+            and len(batch.seqs) <= self.model.step_max_rows
             and self.cache.kv.dtype == torch.bfloat16
-            and all(seq.num_computed_tokens + 1 == len(seq) for seq in batch.seqs)
+            and self.decode_only(batch)
         )
 
     def decode_step(self, seqs: list[Sequence]) -> StepLogits:
@@ -219,6 +246,10 @@ class ModelRunner:
         if self.takes_step_kernel(batch):  # every row samples; no tensor op to record
             seqs = sorted(batch.seqs, key=len, reverse=True)
             return self.decode_step(seqs), seqs
+        graphs = self.graphs if self.graphs_ready else None
+        if graphs is not None and graphs.takes(batch.seqs) and self.decode_only(batch):
+            seqs = list(batch.seqs)
+            return StepLogits(graphs.run(seqs), None), seqs
         return self._run_layers(batch)
 
     @torch.inference_mode()

@@ -139,11 +139,15 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        spare_block: bool = False,
     ):
+        # One block past those the block manager hands out, where the padding rows of a
+        # CUDA graph's fixed-size step write (engine/cuda_graphs.py).
+        self.spare_block = num_blocks if spare_block else None
         shape = (
             config.num_layers,
             2 * config.num_kv_heads,
-            num_blocks,
+            num_blocks + int(spare_block),
             block_size,
             config.head_dim,
         )
@@ -247,6 +251,35 @@ class LlamaAttention(nn.Module):
             parts.append(op[0].transpose(0, 1))  # [length, heads, dim]
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.output(out.reshape(tokens, heads * dim))
+
+    def decode_padded(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: torch.Tensor,
+        slots: torch.Tensor,
+        gather_ids: torch.Tensor,
+        bias: torch.Tensor,
+    ) -> torch.Tensor:
+        """One new token per row, every shape fixed by the rows and the table's width, so
+        that a CUDA graph can replay it (engine/cuda_graphs.py): each row attends to all
+        of its table's blocks, the keys past its length masked by `bias` [rows, 1, keys].
+        gather_ids: plane * num_blocks + block for every plane, row and table column."""
+        rows = hidden.shape[0]
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(hidden)
+        qk = apply_rotary(qkv[:, : (heads + kv_heads) * dim].view(rows, -1, dim), cos, sin)
+        v = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
+        kv = torch.cat((qk[:, heads:], v), dim=1)  # [rows, 2 * kv_heads, dim]
+        cache.view(2 * kv_heads, -1, dim).index_copy_(1, slots, kv.transpose(0, 1).to(cache.dtype))
+        blocks = gather_blocks(cache, gather_ids, rows, hidden.dtype)  # [planes, rows, keys, dim]
+        # the query heads of a KV head as its queries: [kv_heads, rows, group, dim]
+        q = qk[:, :heads].reshape(rows, kv_heads, -1, dim).transpose(0, 1)
+        scores = torch.matmul(q, blocks[:kv_heads].transpose(2, 3)) * self.scale + bias
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(hidden.dtype)
+        out = torch.matmul(probs, blocks[kv_heads:])  # [kv_heads, rows, group, dim]
+        return self.output(out.transpose(0, 1).reshape(rows, heads * dim))
 
     def _decode(self, q: torch.Tensor, cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         """q: [rows, heads, dim], one query per row -> [rows, heads, dim].
@@ -510,6 +543,36 @@ class LlamaModel(nn.Module):
         # Only rows that sample need the (large) vocabulary projection.
         hidden = self.norm(hidden[logits_indices])
         return StepLogits(self.lm_head.forward_fp32(hidden), None)
+
+    def decode_padded(self, inputs: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """fp32 logits [rows, vocab] of a decode-only step in fixed shapes, for CUDA graphs.
+
+        inputs: [rows, 4 + width] int64, per row its last token, that token's position, the
+        cache slot it writes, the sequence's length with it, then its block table padded
+        to `width` (engine/cuda_graphs.py lays them out). Every op reads these through
+        tensors alone (no host sync, no shape from their values), so that a graph
+        captured once replays any inputs of the same shape.
+        """
+        rows, width = inputs.shape[0], inputs.shape[1] - 4
+        kv = cache.kv  # [layers, planes, blocks, block_size, dim]
+        planes, num_blocks, size = kv.shape[1], kv.shape[2], kv.shape[3]
+        plane_rows = torch.arange(planes, device=inputs.device) * num_blocks
+        gather_ids = (plane_rows[:, None, None] + inputs[None, :, 4:]).reshape(-1)
+        keys = torch.arange(width * size, device=inputs.device)
+        bias = torch.zeros((rows, width * size), dtype=self.compute_dtype, device=inputs.device)
+        bias = bias.masked_fill(keys[None, :] >= inputs[:, 3:4], float("-inf"))[:, None, :]
+        positions = inputs[:, 1]
+        cos = self.cos[positions].unsqueeze(1)  # [rows, 1, head_dim]
+        sin = self.signed_sin[positions].unsqueeze(1)
+        slots = inputs[:, 2]
+        hidden = self.embed(inputs[:, 0])
+        for index, layer in enumerate(self.layer_list):
+            update = layer.attention.decode_padded(
+                layer.input_norm(hidden), cos, sin, kv[index], slots, gather_ids, bias
+            )
+            hidden = hidden + update
+            hidden = hidden + layer.mlp(layer.post_attention_norm(hidden))
+        return self.lm_head.forward_fp32(self.norm(hidden))
 
     def _forward_fused(
         self,
