@@ -217,6 +217,19 @@ async def run_ttft(base: str, prompts: list[list[int]]) -> list[float]:
     return [ttft for ttft, _ in results]
 
 
+def step_breakdown(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """The steps between two /admin/stats readings by the way they ran (ModelRunner.last_path):
+    how many, their seconds, and the mean of one."""
+    parts = []
+    counts, seconds = after.get("steps", {}), after.get("step_seconds", {})
+    for path in sorted(counts):
+        count = counts[path] - before.get("steps", {}).get(path, 0)
+        spent = seconds.get(path, 0.0) - before.get("step_seconds", {}).get(path, 0.0)
+        if count > 0:
+            parts.append(f"{path} {count} in {spent:.1f}s ({spent / count * 1000:.1f} ms each)")
+    return ", ".join(parts) or "none recorded"
+
+
 # ---- HF transformers reference ----------------------------------------------------------
 def reference_model(model: str, dtype: torch.dtype) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -683,6 +696,7 @@ def measure(options: Options) -> dict[str, Any]:
             run_ttft(base, random_prompts(options.ttft_many, options.ttft_prompt, seed=12))
         )
         submit_deadline = end - reference_share - 0.15 * options.budget_s
+        before = httpx.get(f"{base}/admin/stats", timeout=10).json()
         serving = asyncio.run(run_serving(base, workload, options.in_flight, submit_deadline))
         stats = httpx.get(f"{base}/admin/stats", timeout=10).json()
     finally:
@@ -694,6 +708,8 @@ def measure(options: Options) -> dict[str, Any]:
           f"{stats.get('prefix_cache_hits_total', 0)}, preemptions "
           f"{stats.get('num_preemptions_total', 0)}, decode graphs "
           f"{stats.get('decode_graphs', 0)})", flush=True)  # fmt: skip
+    print(f"engine steps of the serving run, forward pass and sampling, by the way they ran: "
+          f"{step_breakdown(before, stats)}", flush=True)  # fmt: skip
     if serving.submitted < len(workload.prompts):
         notes.append(
             f"serving: the time budget stopped submissions after {serving.submitted} of "

@@ -107,6 +107,10 @@ class LLMEngine:
         self._stopped = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        # steps and their seconds (forward pass and sampling) by the way they ran
+        # (ModelRunner.last_path), in stats: where a serving run's time goes
+        self.step_counts: dict[str, int] = {}
+        self.step_seconds: dict[str, float] = {}
 
     # ---- loading -------------------------------------------------------------------
     def load(self) -> None:
@@ -269,8 +273,12 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+        started = time.perf_counter()
         output, sampling = self.runner.run(batch)
-        tokens, logprobs = sample(output.logits, sampling, output.greedy)
+        tokens, logprobs = sample(output.logits, sampling, output.greedy)  # waits for the GPU
+        path = self.runner.last_path
+        self.step_counts[path] = self.step_counts.get(path, 0) + 1
+        self.step_seconds[path] = self.step_seconds.get(path, 0.0) + time.perf_counter() - started
         prompt_tokens = 0
         for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
@@ -425,6 +433,8 @@ class LLMEngine:
             "num_preemptions_total": self.scheduler.num_preemptions
             if self.state != "loading"
             else 0,
+            "steps": dict(self.step_counts),
+            "step_seconds": {path: round(t, 6) for path, t in self.step_seconds.items()},
             # CUDA graphs that replay decode steps (0: every step runs op by op)
             "decode_graphs": len(self.runner.graphs.graphs)
             if self.state != "loading" and self.runner.graphs_ready and self.runner.graphs

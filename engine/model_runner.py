@@ -45,6 +45,9 @@ class ModelRunner:
         graphs = graph_blocks > 0 and device.type == "cuda"
         self.graphs = DecodeGraphs(model, self.cache, block_size, graph_blocks) if graphs else None
         self.graphs_ready = False  # set once capture_graphs succeeded
+        # the way the last step ran: "step_kernel", "graph", "decode" (decode-only, op by
+        # op) or "mixed" (with prefill tokens); the engine times each way (stats)
+        self.last_path = ""
         # plane * blocks: the first row of each K/V head plane in the flat cache view
         planes = torch.arange(2 * config.num_kv_heads, device=device)
         self.plane_offsets = planes * self.cache.kv.shape[2]
@@ -244,12 +247,16 @@ class ModelRunner:
         """Logits [len(sampling), vocab] fp32 (and, from the step kernel, their greedy
         tokens) for the sequences whose last token was computed."""
         if self.takes_step_kernel(batch):  # every row samples; no tensor op to record
+            self.last_path = "step_kernel"
             seqs = sorted(batch.seqs, key=len, reverse=True)
             return self.decode_step(seqs), seqs
+        decode_only = self.decode_only(batch)
         graphs = self.graphs if self.graphs_ready else None
-        if graphs is not None and graphs.takes(batch.seqs) and self.decode_only(batch):
+        if graphs is not None and decode_only and graphs.takes(batch.seqs):
+            self.last_path = "graph"
             seqs = list(batch.seqs)
             return StepLogits(graphs.run(seqs), None), seqs
+        self.last_path = "decode" if decode_only else "mixed"
         return self._run_layers(batch)
 
     @torch.inference_mode()

@@ -54,10 +54,13 @@ def test_padded_decode_gives_the_logits_of_the_step_it_stands_for(
     graphs = DecodeGraphs(runner.model, runner.cache, 16, max_blocks=8)
     run = runner.run
     buckets: set[tuple[int, int]] = set()
+    decode_steps = 0
 
     def checked(batch):
+        nonlocal decode_steps
         output, seqs = run(batch)
         if runner.decode_only(batch):
+            decode_steps += 1
             padded = graphs.run(seqs)
             assert padded.shape == output.logits.shape and padded.dtype == torch.float32
             assert (padded - output.logits).abs().max() < tolerance
@@ -67,6 +70,10 @@ def test_padded_decode_gives_the_logits_of_the_step_it_stands_for(
 
     runner.run = checked
     generate(engine)
+    # the engine's step timings name the way each step ran: no graphs on CPU
+    stats = engine.stats()
+    assert stats["steps"] == {"mixed": 1, "decode": decode_steps}
+    assert stats["step_seconds"]["decode"] > 0 and stats["decode_graphs"] == 0
     assert {rows for rows, _ in buckets} == {8, 4, 2, 1}  # five rows padded to eight, ...
     assert {width for _, width in buckets} == {4, 8}  # three blocks padded to four, ...
     assert all(rows in GRAPH_ROWS for rows, _ in buckets)
@@ -87,4 +94,5 @@ def test_decode_graphs_replay_the_eager_tokens_on_cuda(tiny_llama: Path, dtype: 
         engine.warm_up()
         assert engine.runner.graphs_ready is not eager
         outputs.append(generate(engine))
+        assert ("graph" in engine.stats()["steps"]) is not eager
     assert outputs[0] == outputs[1]

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench.__main__ import declared_budget, run_step
+from bench.engine_bench import step_breakdown
 from bench.fidelity_bench import compare_ttft_p95_by_version, compare_usage
 from bench.report import normalize_figure, render_markdown, target_met, write_report
 
@@ -140,3 +141,15 @@ def test_each_decode_run_meets_the_faster_read_beside_it():
     assert windows[1].ratio(result.weight_bytes) == pytest.approx(0.5)
     result.windows = windows[:3]
     assert result.median_window() is windows[0]
+
+
+def test_the_serving_runs_steps_are_told_by_the_way_they_ran():
+    before = {"steps": {"mixed": 2, "decode": 1}, "step_seconds": {"mixed": 0.5, "decode": 0.1}}
+    after = {
+        "steps": {"mixed": 12, "decode": 1, "graph": 40},
+        "step_seconds": {"mixed": 2.5, "decode": 0.1, "graph": 0.2},
+    }
+    assert step_breakdown(before, after) == (
+        "graph 40 in 0.2s (5.0 ms each), mixed 10 in 2.0s (200.0 ms each)"
+    )
+    assert step_breakdown({}, {}) == "none recorded"
