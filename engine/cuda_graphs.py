@@ -1,7 +1,8 @@
 """Decode-only steps on CUDA, replayed from CUDA graphs.
 
-A decode step of SmolLM2 launches some 600 small kernels; issued one by one from Python
-they take about 15 ms per step on an H200 whose matrices would read in well under one.
+A decode step of SmolLM2 launches several hundred small kernels; issued one by one from Python
+they took 15.6 ms per step on an H200 whose weights would read in 0.075 ms, replayed
+from a graph 1.96 ms (docs/engine.md).
 As vLLM does (its CUDA graph runner), a decode-only step is captured once per shape and
 replayed: the step's inputs are copied into one static buffer, the graph reruns every
 kernel on it, and the logits come out in a static tensor.
