@@ -218,13 +218,11 @@ class ModelRunner:
         )
 
     def takes_step_kernel(self, batch: ScheduledBatch) -> bool:
-        """Whether the whole step is the step kernel's: few enough rows, each one new token
-        that samples (a decode, or a prompt's last token)."""
+        """Whether a decode-only step is the step kernel's: few enough rows."""
         return (
             self.model.step_kernel is not None
             and len(batch.seqs) <= self.model.step_max_rows
             and self.cache.kv.dtype == torch.bfloat16
-            and self.decode_only(batch)
         )
 
     def decode_step(self, seqs: list[Sequence]) -> StepLogits:
@@ -246,11 +244,11 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> tuple[StepLogits, list[Sequence]]:
         """Logits [len(sampling), vocab] fp32 (and, from the step kernel, their greedy
         tokens) for the sequences whose last token was computed."""
-        if self.takes_step_kernel(batch):  # every row samples; no tensor op to record
+        decode_only = self.decode_only(batch)
+        if decode_only and self.takes_step_kernel(batch):  # no tensor op to record
             self.last_path = "step_kernel"
             seqs = sorted(batch.seqs, key=len, reverse=True)
             return self.decode_step(seqs), seqs
-        decode_only = self.decode_only(batch)
         graphs = self.graphs if self.graphs_ready else None
         if graphs is not None and decode_only and graphs.takes(batch.seqs):
             self.last_path = "graph"

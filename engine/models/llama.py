@@ -214,14 +214,7 @@ class LlamaAttention(nn.Module):
             q = qkv[:, : heads * dim].view(tokens, heads, dim)
             kv = qkv[:, heads * dim :].view(tokens, 2 * kv_heads, dim)
         else:
-            # q and k rotated together: [tokens, heads + kv_heads, dim]
-            qk = apply_rotary(qkv[:, : (heads + kv_heads) * dim].view(tokens, -1, dim), cos, sin)
-            q = qk[:, :heads]  # [tokens, heads, dim]
-            v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
-            kv = torch.cat((qk[:, heads:], v), dim=1)  # [tokens, 2 * kv_heads, dim]
-            cache.view(2 * kv_heads, -1, dim).index_copy_(
-                1, meta.slot_mapping, kv.transpose(0, 1).to(cache.dtype)
-            )
+            q, kv = self._rotate_and_write(qkv, cos, sin, cache, meta.slot_mapping)
 
         # Attention outputs in token order: decode rows, then prefill chunks.
         table = meta.decode_table
@@ -252,6 +245,24 @@ class LlamaAttention(nn.Module):
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.output(out.reshape(tokens, heads * dim))
 
+    def _rotate_and_write(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated together in PyTorch ops, k and v written to their cache slots:
+        (q [tokens, heads, dim], kv [tokens, 2 * kv_heads, dim])."""
+        tokens = qkv.shape[0]
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qk = apply_rotary(qkv[:, : (heads + kv_heads) * dim].view(tokens, -1, dim), cos, sin)
+        v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+        kv = torch.cat((qk[:, heads:], v), dim=1)
+        cache.view(2 * kv_heads, -1, dim).index_copy_(1, slots, kv.transpose(0, 1).to(cache.dtype))
+        return qk[:, :heads], kv
+
     def decode_padded(
         self,
         hidden: torch.Tensor,
@@ -268,14 +279,10 @@ class LlamaAttention(nn.Module):
         gather_ids: plane * num_blocks + block for every plane, row and table column."""
         rows = hidden.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv(hidden)
-        qk = apply_rotary(qkv[:, : (heads + kv_heads) * dim].view(rows, -1, dim), cos, sin)
-        v = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
-        kv = torch.cat((qk[:, heads:], v), dim=1)  # [rows, 2 * kv_heads, dim]
-        cache.view(2 * kv_heads, -1, dim).index_copy_(1, slots, kv.transpose(0, 1).to(cache.dtype))
+        q, _ = self._rotate_and_write(self.qkv(hidden), cos, sin, cache, slots)
         blocks = gather_blocks(cache, gather_ids, rows, hidden.dtype)  # [planes, rows, keys, dim]
         # the query heads of a KV head as its queries: [kv_heads, rows, group, dim]
-        q = qk[:, :heads].reshape(rows, kv_heads, -1, dim).transpose(0, 1)
+        q = q.reshape(rows, kv_heads, -1, dim).transpose(0, 1)
         scores = torch.matmul(q, blocks[:kv_heads].transpose(2, 3)) * self.scale + bias
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(hidden.dtype)
         out = torch.matmul(probs, blocks[kv_heads:])  # [kv_heads, rows, group, dim]
