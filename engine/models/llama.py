@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from engine.config import LlamaConfig
 from engine.models import decode_attention
@@ -46,7 +47,9 @@ class PrefillChunk:
     length: int  # query tokens in this chunk
     context: int  # tokens already in the cache before this chunk
     gather_ids: torch.Tensor | None  # blocks with context + chunk (gather_blocks); None: no context
-    mask: torch.Tensor | None  # [length, blocks * block_size] bool; None when context == 0
+    # [length, blocks * block_size] bool, on CPU when context > 0; on CUDA None: the keys
+    # are cut at the chunk's end and a lower-right causal bias keeps flash attention
+    mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -56,7 +59,9 @@ class DecodeGroup:
     start: int
     end: int
     key_ids: torch.Tensor  # [kv_heads * rows * blocks]: K planes only, for gather_blocks
-    value_slots: torch.Tensor  # [kv_heads * rows * group, keys]: V rows of the flat slot view
+    # [kv_heads * rows * group, keys]: V rows of the flat slot view, for embedding_bag on
+    # CPU; None on CUDA, where V is gathered like K
+    value_slots: torch.Tensor | None
     bias: torch.Tensor  # [kv_heads * rows, 1, blocks * block_size]: 0, or -inf for padding
 
 
@@ -238,8 +243,13 @@ class LlamaAttention(nn.Module):
                 )
             else:
                 kvp = gather_blocks(cache, chunk.gather_ids, 1, q.dtype).transpose(0, 1)
+                mask: torch.Tensor | None = chunk.mask
+                if mask is None:  # CUDA: flash attention, causal from the lower right
+                    keys = chunk.context + chunk.length
+                    kvp = kvp[:, :, :keys]
+                    mask = causal_lower_right(chunk.length, keys)
                 op = F.scaled_dot_product_attention(
-                    qp, kvp[:, :kv_heads], kvp[:, kv_heads:], attn_mask=chunk.mask, enable_gqa=True
+                    qp, kvp[:, :kv_heads], kvp[:, kv_heads:], attn_mask=mask, enable_gqa=True
                 )
             parts.append(op[0].transpose(0, 1))  # [length, heads, dim]
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -306,6 +316,10 @@ class LlamaAttention(nn.Module):
         # scores: [kv_heads * rows, group, keys], scaled, padding at -inf, in one call
         scores = torch.baddbmm(group.bias, qd, keys.transpose(1, 2), alpha=self.scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(cache.dtype)
+        if group.value_slots is None:  # CUDA: V gathered like K; embedding_bag took 52 us there
+            values = gather_blocks(cache[kv_heads:], group.key_ids, rows, q.dtype)
+            out = torch.bmm(probs.to(q.dtype), values.view(batch, -1, dim))
+            return out.view(kv_heads, rows, -1, dim).transpose(0, 1).reshape(rows, -1, dim)
         out = F.embedding_bag(
             group.value_slots,
             cache.view(-1, dim),

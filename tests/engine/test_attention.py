@@ -286,11 +286,16 @@ def test_model_with_kernel_matches_decode_groups(tiny_llama: Path):
 
 
 def compare_steps(
-    engines: list[LLMEngine], prompts: list[list[int]], plan: list[list[tuple[int, int]]]
+    engines: list[LLMEngine],
+    prompts: list[list[int]],
+    plan: list[list[tuple[int, int]]],
+    max_share: float = 0.05,
+    mean_share: float = 0.01,
 ) -> None:
     """Run the same steps through two engines (plan: per step, (prompt index, tokens)); the
-    logits of every sampled row must agree to bf16 rounding and pick the same token, which
-    both then append (the second engine's: the reference)."""
+    logits of every sampled row must agree to bf16 rounding (shares of the largest logit:
+    by default) and pick the same token, which both then append (the second engine's: the
+    reference)."""
     params = SamplingParams(max_tokens=64, temperature=0.0)
     seqs = [[Sequence(token_ids=list(p), params=params) for p in prompts] for _ in engines]
     for step in plan:
@@ -319,8 +324,8 @@ def compare_steps(
         # (0.036 on avx512_bf16, 0.040 on AVX-512F and AVX2 against bf16 PyTorch).
         scale = logits[1].abs().max().item()
         difference = (logits[0] - logits[1]).abs()
-        assert difference.max().item() <= 0.05 * scale
-        assert difference.mean().item() <= 0.01 * scale
+        assert difference.max().item() <= max_share * scale
+        assert difference.mean().item() <= mean_share * scale
         # the same token wherever the reference's best two differ by more than the paths do
         # (bf16 logits tie now and then: a tie may fall either way)
         top = logits[1].topk(2, dim=-1).values
