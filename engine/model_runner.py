@@ -63,7 +63,7 @@ class ModelRunner:
         # context cut their keys at the chunk's end under a lower-right causal bias (flash
         # attention takes it; no mask is built), and decode groups gather V as they gather K
         # (embedding_bag took 52 us a call on an H200). The CPU keeps the masks and
-        # embedding_bag. Both give the same attention (tests/engine/test_model_runner.py).
+        # embedding_bag. Both give the same attention (tests/engine/test_attention_layouts.py).
         self.gpu_layout = device.type == "cuda"
 
     def gather_ids(self, block_ids: list[int]) -> torch.Tensor:

@@ -244,7 +244,7 @@ class LlamaAttention(nn.Module):
             else:
                 kvp = gather_blocks(cache, chunk.gather_ids, 1, q.dtype).transpose(0, 1)
                 mask: torch.Tensor | None = chunk.mask
-                if mask is None:  # CUDA: flash attention, causal from the lower right
+                if mask is None:  # the GPU layout: causal from the lower right (flash)
                     keys = chunk.context + chunk.length
                     kvp = kvp[:, :, :keys]
                     mask = causal_lower_right(chunk.length, keys)
