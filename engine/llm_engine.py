@@ -182,12 +182,12 @@ class LLMEngine:
         size = self.config.block_size
         words = self.tokenizer.encode("Hello, warm up the kernels. ") or [0]
         prompt = (words * (size // len(words) + 2))[: size + 4]
-        seqs = [Sequence(token_ids=prompt, params=params)]
-        if len(prompt) + size + params.max_tokens > self.config.max_model_len:
-            seqs[0].token_ids = prompt[:4]  # a model too short for the second prompt
+        # the second prompt (two blocks) fits unless max_model_len is tiny
+        both = 2 * size + params.max_tokens <= self.config.max_model_len
+        seqs = [Sequence(token_ids=prompt if both else prompt[:4], params=params)]
         self.scheduler.add(seqs[0])
         self._step(record=False)
-        if len(seqs[0].token_ids) > 4:
+        if both:
             seqs.append(Sequence(token_ids=prompt[:size] + prompt[-size:], params=params))
             self.scheduler.add(seqs[1])
         while not all(seq.is_finished for seq in seqs):

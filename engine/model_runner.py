@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -275,7 +277,6 @@ class ModelRunner:
     @torch.inference_mode()
     def _run_layers(self, batch: ScheduledBatch) -> tuple[StepLogits, list[Sequence]]:
         input_ids, positions, meta, logits_indices, sampling = self.prepare(batch)
-        if self.device.type != "cuda":
-            return self.model(input_ids, positions, meta, self.cache, logits_indices), sampling
-        with sdpa_kernel(CUDA_ATTENTION):
+        cuda = self.device.type == "cuda"
+        with sdpa_kernel(CUDA_ATTENTION) if cuda else contextlib.nullcontext():
             return self.model(input_ids, positions, meta, self.cache, logits_indices), sampling

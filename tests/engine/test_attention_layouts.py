@@ -47,3 +47,36 @@ def test_gpu_layout_matches_the_cpu_layout(tiny_llama: Path, device: str):
         *[[(i, 1) for i in range(5)] for _ in range(4)],
     ]
     compare_steps(engines, prompts, plan, max_share=1e-4, mean_share=1e-5)
+
+
+@pytest.mark.parametrize("max_model_len", [512, 24])
+def test_warm_up_runs_a_mixed_step_after_cached_context(tiny_llama: Path, max_model_len: int):
+    """Warm-up runs a decode row beside a chunk that starts after a cached block (where the
+    model is long enough for two blocks), then leaves no blocks taken and no counts."""
+    config = EngineConfig(
+        model=str(tiny_llama), num_blocks=64, block_size=16, max_model_len=max_model_len
+    )
+    engine = LLMEngine(config)
+    engine.load()
+    steps: list[list[tuple[int, int]]] = []  # (computed before the step, new tokens) per row
+    run = engine.runner.run
+
+    def recording_run(batch):
+        steps.append(
+            [
+                (s.num_computed_tokens, n)
+                for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+            ]
+        )
+        return run(batch)
+
+    engine.runner.run = recording_run  # type: ignore[method-assign]
+    engine.warm_up()
+    mixed_after_context = [
+        step
+        for step in steps
+        if any(n == 1 for _, n in step) and any(done > 0 and n > 1 for done, n in step)
+    ]
+    assert bool(mixed_after_context) == (max_model_len == 512), steps
+    assert engine.block_manager.usage == 0
+    assert engine.block_manager.prefix_cache_queries == engine.block_manager.prefix_cache_hits == 0
