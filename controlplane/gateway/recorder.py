@@ -18,6 +18,13 @@ When a batch is sent:
   requests arriving) ride in one write, sent after the burst rather than inside it;
 - at once when `max_batch` commands have gathered, and when closing.
 
+Commands reach Redis in the order they were queued, and one batch is in flight at a
+time (what gathers meanwhile goes in the next): a request's token settlement is queued
+before the same client's next request can be admitted, so that admission always counts
+the real tokens of the requests before it. (Sending admissions ahead of the batch, or
+batches over several pooled connections at once, let an admission overtake the
+settlement before it and admit a tenant past its limit.)
+
 A batch that Redis does not take (connection lost, a command refused) leaves nothing
 behind: its admissions fail (the caller admits without a limit check, as when Redis is
 away), its stream entries go to the spool, every one of them. An entry is in the
@@ -32,6 +39,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -73,14 +81,13 @@ class RedisBatcher:
         self._spool = spool
         self._gather_s = gather_s
         self._max_batch = max_batch
-        self._admissions: list[tuple[tuple[Any, ...], asyncio.Future[Admission]]] = []
-        self._settlements: list[tuple[Any, ...]] = []
-        self._entries: list[dict[str, str]] = []
+        # Commands in the order they were queued: a settlement queued before an admission
+        # must reach Redis before it, or the admission reads a count missing that request.
+        self._queue: list[Command] = []
         self._timer: asyncio.TimerHandle | None = None
-        self._is_flush_scheduled = False
-        self._writes: set[asyncio.Task[None]] = set()
+        self._is_due = asyncio.Event()
+        self._spooling: set[asyncio.Task[None]] = set()
         self._is_closing = False
-        self._closed = asyncio.Event()
 
     def admit(
         self,
@@ -94,122 +101,121 @@ class RedisBatcher:
         """Queue one admission; the future gives its `Admission`, or a Redis error."""
         future = asyncio.get_running_loop().create_future()
         command = admission_command(tenant_id, requests_per_minute, tokens_per_minute, estimate)
-        self._admissions.append((command, future))
+        self._queue.append(Command(arguments=command, admission=future))
         self._schedule(is_urgent)
         return future
 
     def put(self, fields: dict[str, str] | None, settlement: Settlement = None) -> None:
         """Queue one stream entry and/or one settlement; returns at once."""
-        if fields is not None:
-            self._entries.append(fields)
         if settlement is not None:
-            self._settlements.append(settle_command(*settlement))
+            self._queue.append(Command(arguments=settle_command(*settlement)))
+        if fields is not None:
+            self._queue.append(Command(entry=fields))
         self._schedule(False)
 
     async def run(self) -> None:
-        """Wait for `close()`; then write what is queued and in flight, and return."""
-        await self._closed.wait()
-        while self._admissions or self._settlements or self._entries or self._writes:
-            self._flush()
-            await asyncio.gather(*self._writes, return_exceptions=True)
+        """Send batches until `close()`, one at a time, then what is still queued; return."""
+        while True:
+            await self._is_due.wait()
+            self._is_due.clear()
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._queue:
+                batch, self._queue = self._queue, []
+                # One batch in flight at a time: Redis sees commands in queue order.
+                await self._write(batch)
+                if self._is_closing:
+                    self._is_due.set()  # once more: what came meanwhile, or the end
+            elif self._is_closing:
+                break
+        await asyncio.gather(*self._spooling, return_exceptions=True)
 
     def close(self) -> None:
         self._is_closing = True
-        self._closed.set()
+        self._is_due.set()
 
     def _schedule(self, is_urgent: bool) -> None:
-        pending = len(self._admissions) + len(self._settlements) + len(self._entries)
-        if is_urgent or self._is_closing or pending >= self._max_batch:
-            if not self._is_flush_scheduled:
-                self._is_flush_scheduled = True
-                asyncio.get_running_loop().call_soon(self._flush)
-        elif self._timer is None and not self._is_flush_scheduled:
-            self._timer = asyncio.get_running_loop().call_later(self._gather_s, self._flush)
+        if is_urgent or self._is_closing or len(self._queue) >= self._max_batch:
+            self._is_due.set()
+        elif self._timer is None and not self._is_due.is_set():
+            self._timer = asyncio.get_running_loop().call_later(self._gather_s, self._is_due.set)
 
-    def _flush(self) -> None:
-        self._is_flush_scheduled = False
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if not (self._admissions or self._settlements or self._entries):
-            return
-        batch = self._admissions, self._settlements, self._entries
-        self._admissions, self._settlements, self._entries = [], [], []
-        task = asyncio.get_running_loop().create_task(self._write(*batch))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
-
-    async def _write(
-        self,
-        admissions: list[tuple[tuple[Any, ...], "asyncio.Future[Admission]"]],
-        settlements: list[tuple[Any, ...]],
-        entries: list[dict[str, str]],
-    ) -> None:
-        unwritten = entries
+    async def _write(self, batch: list["Command"]) -> None:
+        unwritten = [command.entry for command in batch if command.entry is not None]
         try:
-            unwritten = await self._send(admissions, settlements, entries)
+            unwritten = await self._send(batch)
         except Exception as exc:  # never lose a batch to an unexpected error
             logger.error("request entries not written; spooling", extra={"error": str(exc)})
-            for _, future in admissions:
-                if not future.done():
-                    future.set_exception(redis.RedisError(str(exc)))
+            _fail_admissions(batch, redis.RedisError(str(exc)))
         if unwritten:
-            await asyncio.to_thread(self._spool_all, unwritten)
+            # In a thread, beside the next batches: a slow disk does not hold admissions.
+            task = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(self._spool_all, unwritten)
+            )
+            self._spooling.add(task)
+            task.add_done_callback(self._spooling.discard)
 
-    async def _send(
-        self,
-        admissions: list[tuple[tuple[Any, ...], "asyncio.Future[Admission]"]],
-        settlements: list[tuple[Any, ...]],
-        entries: list[dict[str, str]],
-    ) -> list[dict[str, str]]:
-        """Write one batch; the entries Redis did not take (for the spool)."""
-        # Admissions first: Redis runs them before the batch's other commands.
-        commands = [command for command, _ in admissions] + settlements
+    async def _send(self, batch: list["Command"]) -> list[dict[str, str]]:
+        """Write one batch in queue order; the entries Redis did not take (for the spool)."""
         try:
-            results = await self._execute(commands, entries)
+            results = await self._execute(batch)
             rerun = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
             if rerun:  # Redis lost its script cache (a restart): load, and send those again
                 await self._client.script_load(ADMIT_SCRIPT)
                 await self._client.script_load(SETTLE_SCRIPT)
-                again = await self._execute([commands[i] for i in rerun], [])
+                again = await self._execute([batch[i] for i in rerun])
                 for i, result in zip(rerun, again, strict=True):
                     results[i] = result
         except (redis.RedisError, OSError) as exc:
             logger.warning("Redis unavailable; entries spooled", extra={"error": str(exc)})
-            for _, future in admissions:
-                if not future.done():
-                    future.set_exception(redis.ConnectionError(str(exc)))
-            return entries
-        for (_, future), result in zip(admissions, results, strict=False):
-            if future.done():
+            _fail_admissions(batch, redis.ConnectionError(str(exc)))
+            return [command.entry for command in batch if command.entry is not None]
+        unwritten = []
+        for command, result in zip(batch, results, strict=True):
+            future = command.admission
+            if command.entry is not None:
+                if isinstance(result, Exception):
+                    logger.warning("request entry refused; spooling", extra={"error": str(result)})
+                    unwritten.append(command.entry)
+            elif future is None:
+                if isinstance(result, Exception):
+                    logger.warning("token settle failed", extra={"error": str(result)})
+            elif future.done():
                 continue  # the request was cancelled (its admission still counted)
-            if isinstance(result, Exception):
+            elif isinstance(result, Exception):
                 future.set_exception(result)
             else:
                 future.set_result(admission_from_reply(result))
-        for result in results[len(admissions) : len(commands)]:
-            if isinstance(result, Exception):
-                logger.warning("token settle failed", extra={"error": str(result)})
-        unwritten = []
-        for fields, result in zip(entries, results[len(commands) :], strict=True):
-            if isinstance(result, Exception):
-                logger.warning("request entry refused; spooling", extra={"error": str(result)})
-                unwritten.append(fields)
         return unwritten
 
-    async def _execute(
-        self, commands: list[tuple[Any, ...]], entries: list[dict[str, str]]
-    ) -> list[Any]:
+    async def _execute(self, batch: list["Command"]) -> list[Any]:
         pipe = self._client.pipeline(transaction=False)
-        for command in commands:
-            pipe.execute_command(*command)
-        for fields in entries:
-            pipe.xadd(REQUESTS_STREAM, fields, maxlen=REQUESTS_MAXLEN, approximate=True)  # type: ignore[arg-type]
+        for command in batch:
+            if command.entry is not None:
+                pipe.xadd(REQUESTS_STREAM, command.entry, maxlen=REQUESTS_MAXLEN, approximate=True)  # type: ignore[arg-type]
+            else:
+                pipe.execute_command(*command.arguments)
         return list(await pipe.execute(raise_on_error=False))
 
     def _spool_all(self, entries: list[dict[str, str]]) -> None:
         for fields in entries:
             self._spool.append(fields)
+
+
+@dataclass(slots=True)
+class Command:
+    """One queued Redis command: an admission (with its future), a settlement, or an entry."""
+
+    arguments: tuple[Any, ...] = ()
+    admission: "asyncio.Future[Admission] | None" = None
+    entry: dict[str, str] | None = None
+
+
+def _fail_admissions(batch: list[Command], error: Exception) -> None:
+    for command in batch:
+        if command.admission is not None and not command.admission.done():
+            command.admission.set_exception(error)
 
 
 class KeyUses:

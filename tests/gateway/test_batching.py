@@ -137,3 +137,44 @@ def test_closing_writes_what_is_queued(redis_client, tmp_path, gather_s) -> None
     indexes = [int(fields["index"]) for _, fields in redis_client.xrange(REQUESTS_STREAM)]
     assert sorted(indexes) == list(range(30))
     assert spool.pending_count() == 0
+
+
+def test_an_admission_counts_every_settlement_queued_before_it(redis_client, tmp_path) -> None:
+    # A client sends its next request as soon as the last response ends, so that request's
+    # admission is queued right after the last one's settlement, often in the same batch.
+    spool = Spool(tmp_path / "spool", max_bytes=1 << 20)
+    wait_for_fresh_window(redis_client, needed_s=5)
+
+    async def scenario() -> list[Admission]:
+        client = redis_from_url(settings.REDIS_URL)
+        batcher = RedisBatcher(client, spool)
+        runner = asyncio.create_task(batcher.run())
+        admissions = []
+        try:
+            for index in range(20):
+                admission = await batcher.admit(
+                    tenant_id=8,
+                    requests_per_minute=1000,
+                    tokens_per_minute=1000,
+                    estimate=10,
+                    is_urgent=True,
+                )
+                admissions.append(admission)
+                if not admission.is_allowed:
+                    break
+                # It used 50 tokens, not 10; a background write may be in flight meanwhile.
+                batcher.put(entry(index), (8, admission.window, 40))
+                batcher.put(entry(1000 + index))
+        finally:
+            batcher.close()
+            await runner
+            await client.aclose()
+        return admissions
+
+    admissions = asyncio.run(scenario())
+
+    # Each admission saw the settlements of every request before it (20 of 50 fill 1000).
+    assert [a.tokens_used for a in admissions] == [50 * i + 10 for i in range(20)]
+    assert all(a.is_allowed for a in admissions)
+    window = admissions[0].window
+    assert int(redis_client.get(f"ratelimit:{{8}}:t:{window}")) == 1000
