@@ -70,6 +70,9 @@ class VersionRoute:
     label: str
     weight: int  # 0..100; the shares are weight / sum(weights)
     endpoints: tuple[str, ...] = ()  # base URLs of ready agents serving this version
+    # The version's context (prompt plus completion, in tokens): a request can use no
+    # more, so the gateway's token reservation need be no larger. 0: not known.
+    max_model_len: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -77,6 +80,7 @@ class VersionRoute:
             "label": self.label,
             "weight": self.weight,
             "endpoints": list(self.endpoints),
+            "max_model_len": self.max_model_len,
         }
 
 
@@ -164,6 +168,10 @@ def routing_table_build(
             raise RoutingContractError(f"{where}.weight: must be an integer")
         if not 0 <= version.weight <= 100:
             raise RoutingContractError(f"{where}.weight: must be within 0..100")
+        if isinstance(version.max_model_len, bool) or not isinstance(version.max_model_len, int):
+            raise RoutingContractError(f"{where}.max_model_len: must be an integer")
+        if not 0 <= version.max_model_len <= MAX_INTEGER:
+            raise RoutingContractError(f"{where}.max_model_len: must be within 0..{MAX_INTEGER}")
         for endpoint in version.endpoints:
             if not isinstance(endpoint, str) or not ENDPOINT_PATTERN.fullmatch(endpoint):
                 raise RoutingContractError(f"{where}.endpoints: {endpoint!r} is not an http(s) URL")
@@ -193,6 +201,7 @@ def routing_table_build(
                 label=version.label,
                 weight=version.weight,
                 endpoints=tuple(endpoint.rstrip("/") for endpoint in version.endpoints),
+                max_model_len=version.max_model_len,
             )
             for version in versions
         ),
@@ -224,6 +233,8 @@ def parse_routing_table(raw: str | bytes) -> RoutingTable:
                 label=str(_field(item, "label", str)),
                 weight=_field(item, "weight", int),
                 endpoints=tuple(endpoints),
+                # absent in tables published before it existed
+                max_model_len=_field(item, "max_model_len", int) if "max_model_len" in item else 0,
             )
         )
     raw_tenant_weights = data.get("tenant_weights", {})  # absent in tables before it existed

@@ -7,9 +7,11 @@ per-request asyncio.Queue that the engine fills via call_soon_threadsafe.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import random
+import re
 import threading
 import time
 import uuid
@@ -54,6 +56,13 @@ class HttpRequest:
         self.method: str = scope["method"]
         self.path: str = scope["path"]
         self.disconnected = asyncio.Event()
+
+    def header(self, name: bytes) -> str | None:
+        """The first value of a header (`name` in lower case), or None."""
+        for key, value in self.scope["headers"]:
+            if key == name:
+                return bytes(value).decode("latin-1")
+        return None
 
     async def json(self) -> dict[str, Any]:
         chunks = []
@@ -322,6 +331,31 @@ class EngineApp:
                 code="context_length_exceeded",
             )
 
+    @staticmethod
+    def _within_budget(
+        request: HttpRequest, params: SamplingParams, prompt_tokens: int, chat: bool
+    ) -> SamplingParams:
+        """Cap the completion so prompt and completion fit the tokens the gateway reserved
+        for this request (`x-token-budget`): a tenant's token limit then holds exactly."""
+        raw = request.header(b"x-token-budget")
+        if raw is None:
+            return params
+        if not re.fullmatch(r"[0-9]{1,12}", raw) or int(raw) < 1:
+            raise bad_request("x-token-budget", f"must be a positive integer, got {raw[:20]!r}")
+        budget = int(raw)
+        available = budget - prompt_tokens
+        if available < 1:
+            raise ApiError(
+                400,
+                f"The prompt's {prompt_tokens} tokens leave nothing of the {budget} tokens "
+                "reserved for this request.",
+                param="messages" if chat else "prompt",
+                code="token_budget_exceeded",
+            )
+        if params.max_tokens > available:
+            return dataclasses.replace(params, max_tokens=available)
+        return params
+
     def _inject_fault(self, engine: LLMEngine) -> None:
         if engine.fault_error_rate > 0 and random.random() < engine.fault_error_rate:
             engine.metrics.record_finished(
@@ -378,6 +412,7 @@ class EngineApp:
             body, chat=chat, remaining_context=self.config.max_model_len - len(prompt_ids)
         )
         self._check_length(len(prompt_ids), params, explicit, "messages" if chat else "prompt")
+        params = self._within_budget(request, params, len(prompt_ids), chat)
         return_token_ids = bool(body.get("return_token_ids", False))
         self._inject_fault(engine)
         self.active_requests += 1

@@ -42,7 +42,7 @@ from controlplane.gateway.metering import (
     prompt_text,
     response_usage_and_text,
 )
-from controlplane.gateway.ratelimit import Admission, Headroom
+from controlplane.gateway.ratelimit import Admission, Headroom, token_reservation
 from controlplane.gateway.recorder import KeyUses, RedisBatcher, keys_touch
 from controlplane.gateway.redis_client import redis_from_url
 from controlplane.gateway.selectors import KeyGrant
@@ -424,14 +424,16 @@ class Gateway:
 
     # Proxying.
 
-    async def _admit(self, grant: KeyGrant, estimate: int, *, is_urgent: bool) -> Admission | None:
+    async def _admit(
+        self, grant: KeyGrant, reservation: int, *, is_urgent: bool
+    ) -> Admission | None:
         """The request's admission; GatewayRequestError(429) when a limit refuses it."""
         try:
             admission = await self.batcher.admit(
                 tenant_id=grant.tenant_id,
                 requests_per_minute=grant.requests_per_minute,
                 tokens_per_minute=grant.tokens_per_minute,
-                estimate=estimate,
+                estimate=reservation,
                 is_urgent=is_urgent,
             )
         except (redis.RedisError, OSError) as exc:
@@ -474,21 +476,6 @@ class Gateway:
         started = time.perf_counter()
         is_stream = bool(body.get("stream")) and kind != "embeddings"
         text = prompt_text(body)
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
-            max_tokens = settings.GATEWAY_DEFAULT_COMPLETION_TOKENS if kind != "embeddings" else 0
-        estimate = estimate_tokens(len(text)) + max_tokens
-        # A stream's admission (a round trip to Redis) runs alongside the request to the
-        # agent, whose answer starts with the response head before any token; the
-        # admission is awaited before anything goes to the client. Only tenants that were
-        # far below their limits moments ago get this: for the others, and for whole
-        # responses, the admission comes first, so refused requests never reach an agent.
-        # An early admission rides with other requests' Redis commands (recorder.py).
-        is_early = is_stream and self.headroom.is_plenty(grant.tenant_id, time.monotonic())
-        admit = asyncio.ensure_future(self._admit(grant, estimate, is_urgent=not is_early))
-        if not is_early:
-            await admit
-
         affinity_value = None
         if table.affinity is Affinity.TENANT:
             affinity_value = str(grant.tenant_id)
@@ -496,15 +483,38 @@ class Gateway:
             affinity_value = session_id
         version = choose_version(table, affinity_value, grant.tenant_slug)
         if version is None:
-            admission = await admit
-            if admission is not None and estimate:
-                self.batcher.put(None, (grant.tenant_id, admission.window, -estimate))
             raise GatewayRequestError(
                 503,
                 "no_ready_agent",
                 f"No agent is ready to serve {table.model!r}; retry shortly.",
                 "server_error",
             )
+        reservation = token_reservation(
+            body,
+            kind,
+            max_model_len=version.max_model_len,
+            default_completion_tokens=settings.GATEWAY_DEFAULT_COMPLETION_TOKENS,
+        )
+        if reservation > grant.tokens_per_minute:
+            # No window would ever admit it: say so, rather than "retry after".
+            raise GatewayRequestError(
+                429,
+                "request_exceeds_token_limit",
+                f"This request may use up to {reservation} tokens (its prompt and max_tokens, "
+                f"or the model's context when max_tokens is absent), more than your limit of "
+                f"{grant.tokens_per_minute} tokens per minute. Set a lower max_tokens.",
+                "tokens",
+            )
+        # A stream's admission (a round trip to Redis) runs alongside the request to the
+        # agent, whose answer starts with the response head before any token; the
+        # admission is awaited before anything goes to the client. Only tenants that were
+        # far below their limits moments ago get this: for the others, and for whole
+        # responses, the admission comes first, so refused requests never reach an agent.
+        # An early admission rides with other requests' Redis commands (recorder.py).
+        is_early = is_stream and self.headroom.is_plenty(grant.tenant_id, time.monotonic())
+        admit = asyncio.ensure_future(self._admit(grant, reservation, is_urgent=not is_early))
+        if not is_early:
+            await admit
 
         is_usage_stripped = False
         if is_stream:
@@ -528,7 +538,7 @@ class Gateway:
         assert task is not None
         watcher = asyncio.ensure_future(_watch_disconnect(receive, outcome, task))
         try:
-            await self._relay(send, outcome, version, path, raw, request_id, admit)
+            await self._relay(send, outcome, version, path, raw, request_id, reservation, admit)
         except asyncio.CancelledError:
             if not outcome.is_client_gone:
                 raise
@@ -554,19 +564,19 @@ class Gateway:
                 text=text,
             )
             if admit.done():
-                self._finish(admit, record, estimate)
+                self._finish(admit, record, reservation)
             else:  # the client left before the admission came back
-                admit.add_done_callback(lambda future: self._finish(future, record, estimate))
+                admit.add_done_callback(lambda future: self._finish(future, record, reservation))
 
     def _finish(
-        self, admit: "asyncio.Future[Admission | None]", record: RequestRecord, estimate: int
+        self, admit: "asyncio.Future[Admission | None]", record: RequestRecord, reservation: int
     ) -> None:
         """Queue the request's stream entry and settlement, unless it was refused."""
         if admit.cancelled() or admit.exception() is not None:
             return  # refused (429): no usage, no entry, nothing to settle
         REQUESTS_TOTAL.labels(str(record.status)).inc()
         admission = admit.result()
-        delta = record.prompt_tokens + record.completion_tokens - estimate
+        delta = record.prompt_tokens + record.completion_tokens - reservation
         settlement = (
             (record.tenant_id, admission.window, delta) if admission is not None and delta else None
         )
@@ -633,11 +643,22 @@ class Gateway:
         )
 
     async def _connect(
-        self, outcome: Outcome, version: VersionRoute, path: str, raw: bytes, request_id: str
+        self,
+        outcome: Outcome,
+        version: VersionRoute,
+        path: str,
+        raw: bytes,
+        request_id: str,
+        reservation: int,
     ) -> tuple[UpstreamResponse, str] | None:
         """The first agent response, retrying once on another agent when one refuses."""
         tried: list[str] = []
-        headers = [("content-type", "application/json"), ("x-request-id", request_id)]
+        headers = [
+            ("content-type", "application/json"),
+            ("x-request-id", request_id),
+            # The engine stops the request at the tokens reserved for it.
+            ("x-token-budget", str(reservation)),
+        ]
         while outcome.attempts < 2:
             endpoint = choose_endpoint(version, self.outstanding, tried)
             if endpoint is None:
@@ -676,10 +697,11 @@ class Gateway:
         path: str,
         raw: bytes,
         request_id: str,
+        reservation: int,
         admit: "asyncio.Future[Admission | None]",
     ) -> None:
         try:
-            connected = await self._connect(outcome, version, path, raw, request_id)
+            connected = await self._connect(outcome, version, path, raw, request_id, reservation)
         except UpstreamError as exc:
             # Reached, but no answer (read timeout, malformed head): no retry, the
             # agent may be working on it.

@@ -2,9 +2,12 @@
 
 Fixed one-minute windows aligned to Redis's own clock (`TIME` inside the script), so
 every gateway process agrees on the window whatever its own clock says. One Lua script
-checks both counters and, only when both allow it, counts the request and reserves its
-estimated tokens: a refused request leaves no trace. After the response, a settlement
-replaces the estimate with the real token count in the same window. Both are sent by
+checks both counters and, only when both allow it, counts the request and reserves the
+most tokens it can use (`token_reservation`): a refused request leaves no trace. After the
+response, a settlement gives back what it did not use, in the window it was admitted in,
+so the tokens admitted in one window never exceed the limit, however many requests are
+in flight. The engine caps each request at its reservation (`x-token-budget`), so even a
+prompt longer than its bound cannot overrun. Both are sent by
 `recorder.RedisBatcher`, with other requests' commands in one pipeline, as EVALSHA of
 the scripts' hashes (it loads them again when Redis has lost them).
 
@@ -22,6 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 WINDOW_S = 60
+
+# The bounds behind a reservation. A byte-level BPE token (SmolLM2's, GPT-2's, Llama 3's)
+# covers at least one byte of text; a chat template adds tokens of its own (SmolLM2's, with
+# its default system prompt, 35 around one message).
+TEMPLATE_TOKENS = 64
+TEMPLATE_TOKENS_PER_MESSAGE = 8
+EMBEDDING_TOKENS_PER_INPUT = 2  # [CLS] and [SEP]
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the engine's (and OpenAI's) default for /v1/completions
 
 ADMIT_SCRIPT = """
 local now = tonumber(redis.call('TIME')[1])
@@ -58,6 +69,68 @@ return 1
 
 _ADMIT_SHA = hashlib.sha1(ADMIT_SCRIPT.encode(), usedforsecurity=False).hexdigest()
 _SETTLE_SHA = hashlib.sha1(SETTLE_SCRIPT.encode(), usedforsecurity=False).hexdigest()
+
+
+def _text_bytes(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, list):  # content parts, or a list of prompts
+        return sum(
+            _text_bytes(item.get("text")) if isinstance(item, dict) else _text_bytes(item)
+            for item in value
+        )
+    return 0
+
+
+def _prompt_bound(body: dict[str, Any], kind: str) -> int:
+    """At most how many tokens the request's input becomes."""
+    if kind == "embeddings":
+        inputs = body.get("input")
+        inputs = inputs if isinstance(inputs, list) else [inputs]
+        return sum(_text_bytes(item) + EMBEDDING_TOKENS_PER_INPUT for item in inputs)
+    if kind == "chat":
+        messages = body.get("messages")
+        messages = messages if isinstance(messages, list) else []
+        return TEMPLATE_TOKENS + sum(
+            TEMPLATE_TOKENS_PER_MESSAGE
+            + (_text_bytes(message.get("content")) if isinstance(message, dict) else 0)
+            for message in messages
+        )
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and all(
+        isinstance(item, int) and not isinstance(item, bool) for item in prompt
+    ):
+        return len(prompt)  # token ids
+    return TEMPLATE_TOKENS + _text_bytes(prompt)
+
+
+def token_reservation(
+    body: dict[str, Any], kind: str, *, max_model_len: int, default_completion_tokens: int
+) -> int:
+    """The most tokens (prompt and completion) the request can use, reserved at admission.
+
+    The completion's bound is max_tokens when given; without it a chat completion may
+    fill the context (so the request is bounded by `max_model_len`, its version's context,
+    when known; else the prompt's bound plus `default_completion_tokens`, which the
+    engine then enforces).
+    """
+    prompt = _prompt_bound(body, kind)
+    if kind == "embeddings":
+        return prompt
+    max_tokens = body.get("max_tokens")
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        max_tokens = body["max_completion_tokens"]
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        max_tokens = None  # absent, or invalid (the engine refuses it)
+    if max_tokens is None:
+        if kind != "chat":
+            max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+        elif max_model_len:
+            return max_model_len
+        else:
+            max_tokens = default_completion_tokens
+    total = prompt + max_tokens
+    return min(total, max_model_len) if max_model_len else total
 
 
 @dataclass(slots=True, frozen=True)

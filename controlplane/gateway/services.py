@@ -50,10 +50,10 @@ def routing_table_publish(
 ) -> RoutingTable:
     """Write the live routing table of a deployment and announce the change.
 
-    `versions`: each a VersionRoute or a mapping with version_id, label, weight (0..100)
-    and endpoints (base URLs of ready agents). `tenant_weights`: {tenant slug:
-    {version_id: weight}} for the tenants of a tenant-scoped stage. The rollouts
-    reconciler calls this.
+    `versions`: each a VersionRoute or a mapping with version_id, label, weight (0..100),
+    endpoints (base URLs of ready agents) and max_model_len (0 or absent: not known).
+    `tenant_weights`: {tenant slug: {version_id: weight}} for the tenants of a
+    tenant-scoped stage. The rollouts reconciler calls this.
     """
     routes = [
         item
@@ -63,6 +63,7 @@ def routing_table_publish(
             label=str(item.get("label", "")),
             weight=item["weight"],
             endpoints=tuple(item.get("endpoints", ())),
+            max_model_len=item.get("max_model_len", 0),
         )
         for item in versions
     ]

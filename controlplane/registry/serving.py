@@ -40,3 +40,9 @@ def serving_config_validate(config: Any) -> dict[str, Any]:
     if errors:
         raise DomainError("invalid", "The serving configuration is not valid.", fields=errors)
     return {name: config[name] for name in FIELDS}
+
+
+def context_length(config: Any) -> int:
+    """A stored config's max_model_len, or 0 when it has none (rows made before validation)."""
+    value = config.get("max_model_len") if isinstance(config, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -25,6 +25,7 @@ from contracts.routing import (
 from controlplane.fleet.models import Agent, AgentCommand, AgentState, CommandKind, CommandStatus
 from controlplane.gateway.services import routing_table_publish
 from controlplane.registry.models import ModelVersion
+from controlplane.registry.serving import context_length
 from controlplane.rollouts import services
 from controlplane.rollouts.models import Deployment, Rollout, RolloutState
 
@@ -163,9 +164,11 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
     canary_endpoints = ready_endpoints(canary_id) if canary_id is not None else []
     effective = weight if canary_endpoints else 0
     shared = 0 if tenants else effective  # the canary's weight for every tenant
-    labels = dict(
-        ModelVersion.objects.filter(pk__in=[stable_id, canary_id or 0]).values_list("pk", "label")
+    version_rows = ModelVersion.objects.filter(pk__in=[stable_id, canary_id or 0]).values_list(
+        "pk", "label", "serving_config"
     )
+    labels = {pk: label for pk, label, _ in version_rows}
+    context_lengths = {pk: context_length(config) for pk, _, config in version_rows}
     versions = []
     if 100 - shared > 0 or not canary_endpoints:
         versions.append(
@@ -174,6 +177,7 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
                 label=labels.get(stable_id, str(stable_id)),
                 weight=max(100 - shared, 0) or 100,
                 endpoints=tuple(stable_endpoints),
+                max_model_len=context_lengths.get(stable_id, 0),
             )
         )
     if canary_id is not None and effective > 0:
@@ -183,6 +187,7 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
                 label=labels.get(canary_id, str(canary_id)),
                 weight=shared,
                 endpoints=tuple(canary_endpoints),
+                max_model_len=context_lengths.get(canary_id, 0),
             )
         )
     tenant_weights = (

@@ -70,3 +70,16 @@ def test_a_stored_table_with_bad_tenant_weights_is_refused() -> None:
     data["tenant_weights"] = ["acme"]
     with pytest.raises(RoutingContractError, match="tenant_weights: must be an object"):
         parse_routing_table(json.dumps(data))
+
+
+def test_a_versions_context_length_survives_the_round_trip_and_is_checked() -> None:
+    versions = [VersionRoute(version_id=1, label="stable", weight=100, max_model_len=2048)]
+    table = build(versions=versions)
+    assert parse_routing_table(table.to_json()).versions[0].max_model_len == 2048
+    older = json.loads(table.to_json())
+    del older["versions"][0]["max_model_len"]  # a table published before the field
+    assert parse_routing_table(json.dumps(older)).versions[0].max_model_len == 0
+    for bad in (-1, True, "2048"):
+        older["versions"][0]["max_model_len"] = bad
+        with pytest.raises(RoutingContractError, match="max_model_len"):
+            parse_routing_table(json.dumps(older))

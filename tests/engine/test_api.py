@@ -48,6 +48,41 @@ def test_prompt_plus_max_tokens_over_limit_is_400(tiny_server):
     assert response.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_a_token_budget_caps_the_completion(tiny_server):
+    # The gateway reserves a request's most tokens; the engine never goes past them.
+    body = {"model": "tiny", "prompt": [5] * 10, "max_tokens": 50, "ignore_eos": True}
+    response = httpx.post(
+        f"{tiny_server.base_url}/v1/completions", json=body, headers={"x-token-budget": "16"}
+    )
+    assert response.status_code == 200
+    answer = response.json()
+    usage = answer["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+        10,
+        6,
+        16,
+    )
+    assert answer["choices"][0]["finish_reason"] == "length"
+    roomy = httpx.post(
+        f"{tiny_server.base_url}/v1/completions", json=body, headers={"x-token-budget": "60"}
+    )
+    assert roomy.json()["usage"]["completion_tokens"] == 50
+
+
+@pytest.mark.parametrize(
+    ("budget", "code"),
+    [("10", "token_budget_exceeded"), ("1e3", "invalid_value"), ("0", "invalid_value")],
+)
+def test_a_prompt_beyond_its_token_budget_is_refused(tiny_server, budget, code):
+    response = httpx.post(
+        f"{tiny_server.base_url}/v1/completions",
+        json={"model": "tiny", "prompt": [5] * 10, "max_tokens": 5},
+        headers={"x-token-budget": budget},
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == code
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

@@ -37,6 +37,7 @@ def publish(setup, weights, endpoints, **options):
                 "label": version.label,
                 "weight": weight,
                 "endpoints": endpoint_list,
+                "max_model_len": version.serving_config["max_model_len"],
             }
             for version, weight, endpoint_list in zip(
                 setup.versions, weights, endpoints, strict=True
@@ -239,7 +240,8 @@ def test_limits_hold_across_two_gateway_processes(stores, engines, gateways) -> 
 
 
 def test_tokens_per_minute_limit(stores, engines, gateways) -> None:
-    # Each call reserves its prompt estimate plus max_tokens; actual usage replaces it after.
+    # Each call reserves the most it can use (its prompt's bound plus max_tokens); what it
+    # did not use is given back before the client's next call is admitted.
     setup = make_setup(tokens_per_minute=200)
     publish(setup, [100, 0], [[engines[0]], []])
     wait_for_model(gateways[0], setup.raw_key, "smollm2")
@@ -248,6 +250,7 @@ def test_tokens_per_minute_limit(stores, engines, gateways) -> None:
     with pytest.raises(openai.RateLimitError) as limited:
         client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=500)
     assert limited.value.body["type"] == "tokens"
+    assert not stores.keys(f"ratelimit:{{{setup.tenant.pk}}}:*")  # refused: no trace
     used = 0
     while True:
         try:
@@ -259,6 +262,28 @@ def test_tokens_per_minute_limit(stores, engines, gateways) -> None:
         used += response.usage.total_tokens
         assert used <= 200
     assert used > 0
+    # The window counts exactly what was served: every settlement landed before the refusal.
+    seconds, _ = stores.time()
+    window = seconds - seconds % 60
+    assert int(stores.get(f"ratelimit:{{{setup.tenant.pk}}}:t:{window}")) == used
+
+
+def test_a_request_without_max_tokens_reserves_the_whole_context(stores, engines, gateways):
+    # Without max_tokens a chat completion may fill its version's context (2048 tokens),
+    # which a tenant allowed 1000 tokens a minute cannot afford; with max_tokens it can.
+    setup = make_setup(tokens_per_minute=1000)
+    publish(setup, [100, 0], [[engines[0]], []])
+    wait_for_model(gateways[0], setup.raw_key, "smollm2")
+    wait_for_fresh_window(stores, needed_s=20)
+    client = client_for(gateways[0], setup.raw_key)
+    with pytest.raises(openai.RateLimitError) as limited:
+        client.chat.completions.create(model="smollm2", messages=MESSAGES)
+    assert limited.value.body["type"] == "tokens"
+    assert limited.value.body["code"] == "request_exceeds_token_limit"
+    assert "up to 2048 tokens" in limited.value.body["message"]
+    assert "retry-after" not in limited.value.response.headers
+    response = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=4)
+    assert response.usage.completion_tokens <= 4
 
 
 def test_a_stream_refused_while_its_request_is_under_way_leaves_no_trace(

@@ -56,6 +56,8 @@ def test_stable_only_then_canary_when_its_agent_is_ready(
         stable.pk: (95, ("http://127.0.0.1:9000",)),
         candidate.pk: (5, ("http://127.0.0.1:9001",)),
     }
+    # each version's context bounds the tokens the gateway reserves for a request
+    assert [v.max_model_len for v in table(redis_client).versions] == [2048, 2048]
     deployment.refresh_from_db()
     assert deployment.applied_revision == deployment.routing_revision == report.revision
 
