@@ -6,7 +6,9 @@ once per session too. Tests commit their rows (`transactional_db`) so the gatewa
 are other processes, can read them.
 """
 
+import signal
 import socket
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -127,6 +129,7 @@ def start_gateway(log_dir: Path, spool_dir: Path, **env: str) -> GatewayProcess:
         GATEWAY_SPOOL_RETRY_S="0.2",
         GATEWAY_ROUTING_REFRESH_S="1",
         GATEWAY_KEY_CACHE_TTL_S="2",
+        PYTHONFAULTHANDLER="1",  # SIGABRT prints every thread's stack (stop_gateway)
         **env,
     )
     url = f"http://127.0.0.1:{port}"
@@ -141,6 +144,26 @@ def start_gateway(log_dir: Path, spool_dir: Path, **env: str) -> GatewayProcess:
 
     wait_until(is_up, timeout=60, interval=0.2, message=f"gateway at {url} not up")
     return GatewayProcess(url=url, process=process, log=log)
+
+
+def stop_gateway(gateway: GatewayProcess, timeout: float = 30) -> None:
+    """SIGTERM, and the gateway's exit within `timeout`; if it hangs, its threads' stacks
+    (faulthandler, on SIGABRT) and log go into the failure."""
+    process = gateway.process
+    assert isinstance(process, subprocess.Popen)
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+        return
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        process.wait(timeout=10)
+    raise AssertionError(
+        f"gateway did not stop within {timeout} s of SIGTERM:\n"
+        + gateway.log.read_text(errors="replace")[-6000:]
+    )
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from tests.gateway.conftest import (
     ingest_all,
     make_setup,
     start_gateway,
+    stop_gateway,
     wait_for_model,
 )
 
@@ -54,6 +55,10 @@ def start_redis(port: int, directory) -> subprocess.Popen:
     return process
 
 
+def log_tail(gateway) -> str:
+    return gateway.log.read_text(errors="replace")[-4000:]
+
+
 def stop(process: subprocess.Popen) -> None:
     process.terminate()
     process.wait(timeout=10)
@@ -90,11 +95,22 @@ def test_entries_survive_a_redis_outage_through_the_spool(
             for _ in range(3)
         ]
         spool = Spool(spool_dir, max_bytes=1 << 20)
-        wait_until(lambda: spool.pending_count() == 3, timeout=20, message="not spooled")
+        wait_until(
+            lambda: spool.pending_count() == 3,
+            timeout=20,
+            message=lambda: f"{spool.pending_count()} spooled:\n{log_tail(gateway)}",
+        )
 
         own_redis = start_redis(port, tmp_path)  # back, empty of our entries
-        wait_until(lambda: client.xlen(REQUESTS_STREAM) == 3, timeout=30, message="not replayed")
-        assert spool.pending_count() == 0
+        # The replayer deletes a spool file after Redis took its entries: wait for the
+        # file, not the stream (a replay thread descheduled between the two made this
+        # test fail when it asserted an empty spool as soon as the stream had them).
+        wait_until(
+            lambda: spool.pending_count() == 0,
+            timeout=30,
+            message=lambda: f"{spool.pending_count()} still spooled:\n{log_tail(gateway)}",
+        )
+        assert client.xlen(REQUESTS_STREAM) == 3
         ingest_all(client)
         rows = UsageRecord.objects.filter(tenant=setup.tenant)
         assert sum(r.requests for r in rows) == 3
@@ -102,12 +118,11 @@ def test_entries_survive_a_redis_outage_through_the_spool(
             a.usage.completion_tokens for a in answers
         )
     finally:
-        gateway.process.terminate()
-        # Gateway.stop may take the batcher's 15 s, then Redis and database writes with
-        # their own timeouts, after an outage: a 15 s wait here failed once in four runs.
-        gateway.process.wait(timeout=60)
-        if own_redis.poll() is None:
-            stop(own_redis)
+        try:
+            stop_gateway(gateway)
+        finally:
+            if own_redis.poll() is None:
+                stop(own_redis)
 
 
 def test_spool_is_bounded_and_replays_once(tmp_path) -> None:
