@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench services browser venv clean
+.PHONY: demo test lint bench services browser venv clean flake-hunt
 
 venv: $(STAMP)
 
@@ -37,8 +37,16 @@ test: venv services browser lint
 demo: venv
 	@scripts/demo.sh
 
+# Hunt flaky tests: run a selection RUNS times (default 10), each in a fresh pytest process,
+# and count each test's failures, e.g. make flake-hunt RUNS=30 SELECTION='-k "gateway or usage"'
+RUNS ?= 10
+SELECTION ?=
+flake-hunt: venv services browser
+	$(BIN)/python scripts/flake_hunt.py --runs $(RUNS) --logs .flake-hunt \
+		--report .flake-hunt/report.json -- $(SELECTION)
+
 bench: venv services
 	$(BIN)/python -m bench
 
 clean:
-	rm -rf .demo .pytest_cache .mypy_cache .ruff_cache
+	rm -rf .demo .pytest_cache .mypy_cache .ruff_cache .flake-hunt
