@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +94,18 @@ class Outcome:
     is_client_gone: bool = False
     response_body: bytes = b""
     meter: StreamMeter | None = None
+
+
+async def _bounded(step: Awaitable[Any], what: str, timeout_s: float) -> None:
+    """Await `step` for at most `timeout_s`; log and go on if it fails or takes longer
+    (asyncio.wait, not wait_for: it does not wait for the step to honour its cancel)."""
+    task = asyncio.ensure_future(step)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        task.cancel()
+        logger.error("gateway stop: %s did not finish within %s s; going on", what, timeout_s)
+    elif not task.cancelled() and task.exception() is not None:
+        logger.warning("gateway stop: %s failed", what, extra={"error": str(task.exception())})
 
 
 class ClientGone(Exception):
@@ -196,6 +209,7 @@ class Gateway:
                 settings.GATEWAY_SPOOL_DIR, max_bytes=settings.GATEWAY_SPOOL_MAX_BYTES
             )
             self.batcher = RedisBatcher(self.redis, self.spool)
+            self._stopping = asyncio.Event()
             try:
                 await self.routing.refresh_all(self.redis)
             except (redis.RedisError, OSError) as exc:
@@ -210,30 +224,40 @@ class Gateway:
             self.is_started = True
 
     async def stop(self) -> None:
+        """Stop the background loops, write or spool what is queued, close the clients.
+
+        Every step is bounded and none waits for a cancellation to be honoured: a client
+        library that swallows a cancel, or waits on a socket while closing it (redis-py's
+        pub/sub has done both), costs a step its bound, never the process its exit.
+        """
         if not self.is_started:
             return
+        started = time.monotonic()
+        logger.info("gateway stopping")
+        self._stopping.set()  # the loops end at their next turn, cancelled or not
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await _bounded(asyncio.gather(*self._tasks, return_exceptions=True), "loops", 5)
         # The batcher finishes what is queued (or spools it) before the spool's last replay.
         self.batcher.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._batcher_task, timeout=15)
-        with contextlib.suppress(Exception):
-            await self._touch_keys()
-        with contextlib.suppress(Exception):
-            await asyncio.to_thread(self.spool.replay, self._write_entries)
+        await _bounded(self._batcher_task, "batcher", 15)
+        await _bounded(self._touch_keys(), "key last-used times", 5)
+        await _bounded(asyncio.to_thread(self.spool.replay, self._write_entries), "replay", 10)
         await self.upstream.aclose()
-        await self.redis.aclose()
-        await self.pubsub_redis.aclose()
+        await _bounded(self.redis.aclose(), "redis client", 2)
+        await _bounded(self.pubsub_redis.aclose(), "pub/sub client", 2)
         self.sync_redis.close()
         self.is_started = False
+        logger.info("gateway stopped", extra={"seconds": round(time.monotonic() - started, 3)})
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, or return as soon as the gateway stops."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
 
     async def _listen(self) -> None:
         backoff = 0.5
-        while True:
+        while not self._stopping.is_set():
             try:
                 async with self.pubsub_redis.pubsub() as pubsub:
                     await pubsub.subscribe(ROUTING_CHANNEL, INVALIDATE_CHANNEL)
@@ -255,13 +279,15 @@ class Gateway:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if self._stopping.is_set():
+                    return
                 logger.warning("gateway pub/sub lost; reconnecting", extra={"error": str(exc)})
-                await asyncio.sleep(backoff)
+                await self._pause(backoff)
                 backoff = min(backoff * 2, 10.0)
 
     async def _refresh_periodically(self) -> None:
-        while True:
-            await asyncio.sleep(settings.GATEWAY_ROUTING_REFRESH_S)
+        while not self._stopping.is_set():
+            await self._pause(settings.GATEWAY_ROUTING_REFRESH_S)
             try:
                 await self.routing.refresh_all(self.redis)
             except (redis.RedisError, OSError) as exc:
@@ -274,7 +300,7 @@ class Gateway:
         pipe.execute()
 
     async def _replay_spool_periodically(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             try:
                 if self.spool.size_bytes():
                     await asyncio.to_thread(self.spool.replay, self._write_entries)
@@ -282,7 +308,7 @@ class Gateway:
                 raise
             except Exception as exc:
                 logger.warning("spool replay failed; will retry", extra={"error": str(exc)})
-            await asyncio.sleep(settings.GATEWAY_SPOOL_RETRY_S)
+            await self._pause(settings.GATEWAY_SPOOL_RETRY_S)
 
     async def _touch_keys(self) -> None:
         used = self.key_uses.take()
@@ -290,8 +316,8 @@ class Gateway:
             await asyncio.to_thread(keys_touch, used, api_key_touch)
 
     async def _touch_keys_periodically(self) -> None:
-        while True:
-            await asyncio.sleep(KEY_TOUCH_FLUSH_S)
+        while not self._stopping.is_set():
+            await self._pause(KEY_TOUCH_FLUSH_S)
             try:
                 await self._touch_keys()
             except asyncio.CancelledError:

@@ -24,6 +24,7 @@ from django.conf import settings
 from contracts.routing import REQUESTS_STREAM, parse_request_record
 from controlplane.core.streams import StreamIngestor
 from controlplane.gateway.ingest import RequestsStreamHandler
+from controlplane.gateway.services import routing_table_publish
 from controlplane.registry.models import Artifact, Model, ModelVersion
 from controlplane.tenants.models import Tenant
 from controlplane.tenants.services import api_key_create, tenant_create
@@ -146,9 +147,10 @@ def start_gateway(log_dir: Path, spool_dir: Path, **env: str) -> GatewayProcess:
     return GatewayProcess(url=url, process=process, log=log)
 
 
-def stop_gateway(gateway: GatewayProcess, timeout: float = 30) -> None:
-    """SIGTERM, and the gateway's exit within `timeout`; if it hangs, its threads' stacks
-    (faulthandler, on SIGABRT) and log go into the failure."""
+def stop_gateway(gateway: GatewayProcess, timeout: float = 60) -> None:
+    """SIGTERM, and the gateway's exit within `timeout` (its stop bounds each step, 40 s in
+    all at worst); if it hangs, its threads' stacks (faulthandler, on SIGABRT) and log go
+    into the failure."""
     process = gateway.process
     assert isinstance(process, subprocess.Popen)
     if process.poll() is not None:
@@ -226,6 +228,24 @@ def make_setup(
     )
     created = api_key_create(actor=None, tenant=tenant, name="test")
     return Setup(tenant=tenant, raw_key=created.raw_key, model=model, versions=versions)
+
+
+def route_wholly(version: ModelVersion, endpoint: str, client: redis.Redis | None = None) -> None:
+    """The smollm2 deployment's every request to one version on one engine."""
+    routing_table_publish(
+        deployment="smollm2",
+        model="smollm2",
+        versions=[
+            {
+                "version_id": version.pk,
+                "label": version.label,
+                "weight": 100,
+                "endpoints": [endpoint],
+                "max_model_len": version.serving_config["max_model_len"],
+            }
+        ],
+        client=client,
+    )
 
 
 def client_for(gateway: GatewayProcess, raw_key: str) -> openai.OpenAI:

@@ -82,6 +82,7 @@ def test_streaming_and_plain_chat_are_metered_exactly(stores, engines, gateways)
             max_tokens=5,
             stream=True,
             stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},  # exactly 5, whatever it samples
         )
     )
     usage_chunk = with_usage[-1]
@@ -89,12 +90,16 @@ def test_streaming_and_plain_chat_are_metered_exactly(stores, engines, gateways)
     assert usage_chunk.usage.completion_tokens == 5
 
     # Not streamed.
-    plain = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=4)
+    plain = client.chat.completions.create(
+        model="smollm2", messages=MESSAGES, max_tokens=4, extra_body={"ignore_eos": True}
+    )
     assert plain.usage.completion_tokens == 4
     assert plain.choices[0].message.content
 
     # Legacy completions.
-    completion = client.completions.create(model="smollm2", prompt="Paris is", max_tokens=3)
+    completion = client.completions.create(
+        model="smollm2", prompt="Paris is", max_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert completion.usage.completion_tokens == 3
 
     records = wait_for_records(stores, 4)

@@ -6,7 +6,6 @@ import pytest
 import redis
 
 from contracts.routing import REQUESTS_STREAM
-from controlplane.gateway.services import routing_table_publish
 from controlplane.gateway.spool import Spool
 from controlplane.tenants.models import UsageRecord
 from tests.conftest import wait_until
@@ -15,6 +14,7 @@ from tests.gateway.conftest import (
     free_port,
     ingest_all,
     make_setup,
+    route_wholly,
     start_gateway,
     stop_gateway,
     wait_for_model,
@@ -71,22 +71,12 @@ def test_entries_survive_a_redis_outage_through_the_spool(
     own_redis = start_redis(port, tmp_path)
     client = redis.Redis(port=port, decode_responses=True)
     spool_dir = tmp_path / "spool"
-    gateway = start_gateway(tmp_path, spool_dir, REDIS_URL=f"redis://127.0.0.1:{port}/0")
+    gateway = start_gateway(
+        tmp_path, spool_dir, REDIS_URL=f"redis://127.0.0.1:{port}/0", LOG_LEVEL="INFO"
+    )
     try:
         setup = make_setup()
-        routing_table_publish(
-            deployment="smollm2",
-            model="smollm2",
-            versions=[
-                {
-                    "version_id": setup.versions[0].pk,
-                    "label": "v1",
-                    "weight": 100,
-                    "endpoints": [engines[0]],
-                }
-            ],
-            client=client,
-        )
+        route_wholly(setup.versions[0], engines[0], client=client)
         wait_for_model(gateway, setup.raw_key, "smollm2")
         stop(own_redis)
         openai_client = client_for(gateway, setup.raw_key)
