@@ -67,6 +67,44 @@ class CommandFailed(Exception):
     """A command was attempted and failed; the message is the reason reported."""
 
 
+class RestartPlan:
+    """When to load a failed engine's version again: at once the first time, then after
+    1, 2, 4 ... 60 s while restarts keep failing or engines keep failing within 10
+    minutes of their start (a crash loop waits, as Kubernetes' does)."""
+
+    FIRST_DELAY_S = 1.0
+    MAX_DELAY_S = 60.0
+    STABLE_S = 600.0
+
+    def __init__(self) -> None:
+        self.load: LoadPayload | None = None
+        self.not_before = 0.0
+        self.delay_s = 0.0
+        self.started_at: float | None = None
+
+    def schedule(self, load: LoadPayload, now: float) -> None:
+        """An engine for `load` failed."""
+        if self.started_at is not None and now - self.started_at >= self.STABLE_S:
+            self.delay_s = 0.0  # it had served a good while: not a loop
+        self.load = load
+        self.not_before = now + self.delay_s
+        self.delay_s = min(max(self.delay_s * 2, self.FIRST_DELAY_S), self.MAX_DELAY_S)
+
+    def due(self, now: float) -> LoadPayload | None:
+        return self.load if self.load is not None and now >= self.not_before else None
+
+    def failed(self, load: LoadPayload, now: float) -> None:
+        self.started_at = None
+        self.schedule(load, now)
+
+    def succeeded(self, now: float) -> None:
+        self.load = None
+        self.started_at = now
+
+    def cancel(self) -> None:
+        self.load = None
+
+
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
@@ -97,6 +135,8 @@ class Agent:
         self._needs_registration = threading.Event()
         self._needs_registration.set()
         self._is_group_ready = False
+        self._failed_engines: list[EngineProcess] = []  # to stop (the command thread does)
+        self._restart = RestartPlan()
         self._seq = 0
         self._last_energy = (time.monotonic(), self.energy.joules())
         self.commands_stream = commands_stream(config.name)
@@ -198,17 +238,32 @@ class Agent:
             self.stop_event.wait(next_at - now)
 
     def _check_engines(self) -> None:
+        """Notice an engine that exited or says it failed (its step loop broke): report
+        FAILED at once, so routing leaves it, and have the command thread restart it."""
         with self._lock:
             self.retiring = [engine for engine in self.retiring if engine.is_running()]
-            engine = self.current
-            if engine is None or engine.is_stopping or engine.is_running():
+            engine, load = self.current, self.current_load
+        if engine is None or engine.is_stopping:
+            return
+        if engine.is_running():
+            if engine.health() != "failed":
                 return
-            code = engine.exit_code()
+            why = f"engine failed: {engine.log_tail(300)}"
+        else:
+            why = (
+                f"engine exited unexpectedly with code {engine.exit_code()}: {engine.log_tail(300)}"
+            )
+        with self._lock:
+            if self.current is not engine:
+                return  # a command replaced it meanwhile
             self.current = None
             self.current_load = None
             self.state = AgentState.FAILED
-            self.detail = f"engine exited unexpectedly with code {code}: {engine.log_tail(300)}"
-        logger.error("%s", self.detail)
+            self.detail = why
+            self._failed_engines.append(engine)
+            if load is not None:
+                self._restart.schedule(load, time.monotonic())
+        logger.error("%s", why)
 
     def heartbeat(self) -> Heartbeat:
         with self._lock:
@@ -289,6 +344,7 @@ class Agent:
                         is_pending_first = False
                     for entry_id, fields in entries:
                         self._handle_entry(entry_id, fields)
+                    self._restart_failed_engine()
                 except RedisUnavailable:
                     is_pending_first = True
                     self.stop_event.wait(0.5)
@@ -299,6 +355,30 @@ class Agent:
                     self._is_group_ready = False
         finally:
             self._shutdown_engines()
+
+    def _restart_failed_engine(self) -> None:
+        """Stop engines that failed and, when due, load their version again (the command
+        thread, so a restart never runs beside a command's load)."""
+        with self._lock:
+            failed, self._failed_engines = self._failed_engines, []
+        for engine in failed:
+            engine.stop()
+        load = self._restart.due(time.monotonic())
+        if load is None:
+            return
+        with self._lock:
+            if self.current is not None:  # a command loaded something since
+                self._restart.cancel()
+                return
+        logger.warning("restarting the engine for version %d", load.version_id)
+        try:
+            detail = self.load(load)
+        except CommandFailed as exc:
+            self._restart.failed(load, time.monotonic())
+            logger.error("engine restart failed: %s", exc)
+            return
+        self._restart.succeeded(time.monotonic())
+        logger.info("engine restarted: %s", detail)
 
     def _ensure_group(self, client: redis.Redis) -> None:
         try:

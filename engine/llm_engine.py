@@ -42,6 +42,10 @@ class QueueFullError(Exception):
     pass
 
 
+class EngineFailedError(Exception):
+    """The step loop failed in the shared forward pass; the engine serves nothing more."""
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """What a request gained in one step (deltas), delivered to its sink."""
@@ -224,6 +228,8 @@ class LLMEngine:
         seq = Sequence(token_ids=list(prompt_token_ids), params=params, request_id=request_id)
         seq.sink = sink
         with self._condition:
+            if self.state == "failed":
+                raise EngineFailedError(f"the engine failed: {self.error}")
             waiting = len(self._submitted) + len(self.scheduler.waiting)
             if waiting >= self.config.max_queue:
                 raise QueueFullError(f"queue is full ({self.config.max_queue} waiting requests)")
@@ -268,11 +274,17 @@ class LLMEngine:
             if self.scheduler.has_work:
                 try:
                     self._step()
-                except Exception as error:  # a bug must fail requests, not hang them
-                    logger.exception("engine step failed")
-                    self.error = error
-                    for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-                        self._finish(seq, "error", message=str(error))
+                except Exception as error:
+                    # Requests' own failures end them alone (_step); this is the shared
+                    # forward pass (a device error, a bug): its state is unknown, so the
+                    # engine stops serving and says so in /health, for the agent.
+                    logger.exception("engine step failed; the engine is now failed")
+                    with self._condition:
+                        self.error = error
+                        self.state = "failed"
+                        pending, self._submitted = self._submitted, []
+                    for seq in [*self.scheduler.running, *self.scheduler.waiting, *pending]:
+                        self._finish(seq, "error", message=f"the engine failed: {error}")
 
     def _step(self, record: bool = True) -> None:
         queries = self.block_manager.prefix_cache_queries
@@ -288,7 +300,7 @@ class LLMEngine:
                 seq.first_scheduled_time = now
         started = time.perf_counter()
         output, sampling = self.runner.run(batch)
-        tokens, logprobs = sample(output.logits, sampling, output.greedy)  # waits for the GPU
+        tokens, logprobs, failed = sample(output.logits, sampling, output.greedy)  # waits for GPU
         path = self.runner.last_path
         self.step_counts[path] = self.step_counts.get(path, 0) + 1
         self.step_seconds[path] = self.step_seconds.get(path, 0.0) + time.perf_counter() - started
@@ -299,8 +311,17 @@ class LLMEngine:
             seq.num_computed_tokens += count
             self.block_manager.register_computed(seq)
         now = time.monotonic()
-        for seq, token, logprob in zip(sampling, tokens, logprobs, strict=True):
-            self._append_token(seq, token, logprob, now)
+        for index, (seq, token, logprob) in enumerate(zip(sampling, tokens, logprobs, strict=True)):
+            if index in failed:
+                logger.warning("request %s failed: %s", seq.request_id, failed[index])
+                self._finish(seq, "error", message=failed[index])
+                continue
+            try:
+                self._append_token(seq, token, logprob, now)
+            except Exception as error:  # detokenizing or a stop check: this request alone
+                logger.exception("request %s failed after its token", seq.request_id)
+                if not seq.is_finished:
+                    self._finish(seq, "error", message=f"post-processing failed: {error}")
         if record:
             metrics = self.metrics
             metrics.count_tokens(prompt_tokens, len(sampling))

@@ -50,6 +50,8 @@ def _sample_row(row: torch.Tensor, seq: Sequence) -> int:
         kth = torch.topk(row, params.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
     probs = torch.softmax(row, dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        raise ValueError("the logits are not finite")
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
@@ -64,25 +66,34 @@ def _sample_row(row: torch.Tensor, seq: Sequence) -> int:
 
 def sample(
     logits: torch.Tensor, seqs: list[Sequence], greedy: list[int] | None = None
-) -> tuple[list[int], list[TokenLogprob | None]]:
+) -> tuple[list[int], list[TokenLogprob | None], dict[int, str]]:
     """logits: [len(seqs), vocab] fp32; greedy: each row's first maximum where the step
-    already found it (the list is reused). Returns token ids and (when asked) their
-    logprobs."""
+    already found it (the list is reused). Returns token ids, (when asked) their logprobs,
+    and the rows whose sampling failed, with why: those requests end alone, with an
+    error, and the rest of the batch goes on."""
     # every row's greedy token, replaced below for the rows that sample (a 64-row step's
     # torch.argmax over 49k logits took 4 ms of 60)
     tokens = greedy_tokens(logits) if greedy is None else greedy
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)
     wants_logprobs = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
     raw_logprobs = torch.log_softmax(logits[wants_logprobs], dim=-1) if wants_logprobs else None
+    failed: dict[int, str] = {}
     for index, seq in enumerate(seqs):
         params = seq.params
         if params.has_penalties or not params.is_greedy:
-            row = logits[index]
-            if params.has_penalties:
-                row = _apply_penalties(row, seq)
-            tokens[index] = int(row.argmax().item()) if params.is_greedy else _sample_row(row, seq)
+            try:
+                row = logits[index]
+                if params.has_penalties:
+                    row = _apply_penalties(row, seq)
+                tokens[index] = (
+                    int(row.argmax().item()) if params.is_greedy else _sample_row(row, seq)
+                )
+            except Exception as error:  # one request's sampling must not fail the batch
+                failed[index] = f"sampling failed: {error}"
     if raw_logprobs is not None:
         for position, index in enumerate(wants_logprobs):
+            if index in failed:
+                continue
             row = raw_logprobs[position]
             count = seqs[index].params.logprobs or 0
             top_values, top_ids = torch.topk(row, count) if count else (row[:0], row[:0].long())
@@ -92,4 +103,4 @@ def sample(
                 logprob=float(row[token].item()),
                 top=list(zip(top_ids.tolist(), top_values.tolist(), strict=True)),
             )
-    return tokens, logprobs
+    return tokens, logprobs, failed

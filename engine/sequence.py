@@ -12,6 +12,14 @@ from typing import Any
 
 import torch
 
+from contracts.openai_request import (
+    GREEDY_TEMPERATURE,
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -43,12 +51,22 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name}: must be in [-2, 2], got {getattr(self, name)}")
-        if len(self.stop) > 16 or any(not s for s in self.stop):
-            raise ValueError("stop: at most 16 non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(
+            not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop
+        ):
+            raise ValueError(
+                f"stop: at most {MAX_STOP_STRINGS} non-empty strings "
+                f"of at most {MAX_STOP_STRING_CHARS} characters"
+            )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed: must be in [0, {MAX_SEED}], got {self.seed}")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # A temperature below GREEDY_TEMPERATURE would turn the logits infinite.
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

@@ -20,14 +20,21 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from contracts.openai_request import (
+    RequestFieldError,
+    check_chat_request,
+    check_completion_request,
+    check_embedding_request,
+)
 from engine.config import EngineConfig
 from engine.embedder import EmbeddingService
-from engine.llm_engine import LLMEngine, QueueFullError, RequestOutput
+from engine.llm_engine import EngineFailedError, LLMEngine, QueueFullError, RequestOutput
 from engine.protocol import (
     ApiError,
     bad_request,
     chat_logprobs,
     completion_logprobs,
+    field_error,
     parse_messages,
     parse_sampling,
 )
@@ -81,7 +88,7 @@ class HttpRequest:
                 break
         try:
             body = json.loads(b"".join(chunks) or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        except (ValueError, RecursionError) as error:  # RecursionError: nested too deeply
             raise ApiError(400, f"malformed JSON body: {error}", code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object", code="invalid_json")
@@ -233,13 +240,27 @@ class EngineApp:
                 return
 
     # ---- simple endpoints ----------------------------------------------------------
+    @property
+    def status(self) -> str:
+        """loading, ready, draining, or failed: at load, or since the step loop failed."""
+        if self.engine is not None and self.engine.state == "failed":
+            return "failed"
+        return self.state
+
+    @property
+    def failure(self) -> str | None:
+        if self.engine is not None and self.engine.error is not None:
+            return str(self.engine.error)
+        return self.load_error
+
     async def health(self, request: HttpRequest) -> None:
-        if self.state == "ready":
+        status = self.status
+        if status == "ready":
             await request.respond_json(200, {"status": "ready"})
-        elif self.state == "failed":
-            await request.respond_json(503, {"status": "failed", "error": self.load_error})
+        elif status == "failed":
+            await request.respond_json(503, {"status": "failed", "error": self.failure})
         else:
-            await request.respond_json(503, {"status": self.state})
+            await request.respond_json(503, {"status": status})
 
     async def models(self, request: HttpRequest) -> None:
         names = [self.config.served_model_name]
@@ -259,7 +280,7 @@ class EngineApp:
             "model": self.config.model,
             "served_model_name": self.config.served_model_name,
             "dtype": self.config.dtype,
-            "state": "loading" if self.state == "failed" else self.state,
+            "state": self.status,
         }
         if engine is not None:
             stats.update(engine.stats())
@@ -307,6 +328,11 @@ class EngineApp:
 
     # ---- generation ----------------------------------------------------------------
     def _check_accepting(self) -> LLMEngine:
+        if self.status == "failed":
+            raise ApiError(
+                503, f"the engine failed: {self.failure}", type="service_unavailable",
+                code="engine_failed",
+            )  # fmt: skip
         if self.state == "draining":
             raise ApiError(503, "server is draining", type="service_unavailable", code="draining")
         if self.state != "ready" or self.engine is None:
@@ -372,6 +398,9 @@ class EngineApp:
         request_id = uuid.uuid4().hex
         try:
             engine.add_request(prompt_ids, params, request_id, lambda out: _put(loop, queue, out))
+        except EngineFailedError as error:
+            raise ApiError(503, str(error), type="service_unavailable",
+                           code="engine_failed") from None  # fmt: skip
         except QueueFullError as error:
             raise ApiError(429, str(error), type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None  # fmt: skip
@@ -392,14 +421,13 @@ class EngineApp:
     async def _handle(self, request: HttpRequest, chat: bool) -> None:
         engine = self._check_accepting()
         body = await request.json()
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise bad_request("model", "must be a string")
-        stream = bool(body.get("stream", False))
-        stream_options = body.get("stream_options") or {}
-        if not isinstance(stream_options, dict):
-            raise bad_request("stream_options", "must be an object")
-        include_usage = bool(stream_options.get("include_usage", False))
+        try:
+            (check_chat_request if chat else check_completion_request)(body)
+        except RequestFieldError as error:
+            raise field_error(error) from None
+        self._check_model(body, (self.config.served_model_name,))
+        stream = bool(body.get("stream"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if chat:
             messages = parse_messages(body)
             try:
@@ -407,7 +435,10 @@ class EngineApp:
             except ValueError as error:
                 raise bad_request("messages", str(error)) from None
         else:
-            prompt_ids = self._completion_prompt(engine, body.get("prompt"))
+            prompt_ids = self._completion_prompt(engine, body["prompt"])
+        vocab = engine.model_config.vocab_size
+        if any(token >= vocab for token in body.get("stop_token_ids") or ()):
+            raise bad_request("stop_token_ids", f"token ids must be in [0, {vocab})")
         params, explicit = parse_sampling(
             body, chat=chat, remaining_context=self.config.max_model_len - len(prompt_ids)
         )
@@ -429,23 +460,25 @@ class EngineApp:
         finally:
             self.active_requests -= 1
 
+    @staticmethod
+    def _check_model(body: dict[str, Any], names: tuple[str, ...]) -> None:
+        model = body.get("model")
+        if model is not None and model not in names:
+            raise ApiError(
+                404, f"The model {model[:100]!r} does not exist.", param="model",
+                code="model_not_found",
+            )  # fmt: skip
+
     def _completion_prompt(self, engine: LLMEngine, prompt: Any) -> list[int]:
+        """The token ids of a checked prompt (a string, or ids, alone or in a list of one)."""
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            if not prompt:
-                raise bad_request("prompt", "must not be empty")
             return engine.tokenizer.encode(prompt)
-        if (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
-            vocab = engine.model_config.vocab_size
-            if any(t < 0 or t >= vocab for t in prompt):
-                raise bad_request("prompt", f"token ids must be in [0, {vocab})")
-            return list(prompt)
-        raise bad_request("prompt", "must be a non-empty string or list of token ids (one prompt)")
+        vocab = engine.model_config.vocab_size
+        if any(t >= vocab for t in prompt):
+            raise bad_request("prompt", f"token ids must be in [0, {vocab})")
+        return list(prompt)
 
     def _token_text(self, engine: LLMEngine) -> Callable[[int], str]:
         def text(token_id: int) -> str:
@@ -618,20 +651,17 @@ class EngineApp:
         if self.state != "ready":
             raise ApiError(503, "model is loading", type="service_unavailable", code="loading")
         body = await request.json()
-        inputs = body.get("input")
-        if isinstance(inputs, str):
-            inputs = [inputs]
-        if (
-            not isinstance(inputs, list)
-            or not inputs
-            or not all(isinstance(t, str) for t in inputs)
-        ):
-            raise bad_request("input", "must be a string or a non-empty list of strings")
-        encoding = body.get("encoding_format", "float")
-        if encoding not in ("float", "base64"):
-            raise bad_request("encoding_format", "must be float or base64")
+        try:
+            check_embedding_request(body)
+        except RequestFieldError as error:
+            raise field_error(error) from None
         if not self.embeddings.is_available:
             raise ApiError(404, "no embedding model installed", code="model_not_found")
+        self._check_model(body, (self.config.served_model_name, self.embeddings.model_name))
+        inputs = body["input"]
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        encoding = body.get("encoding_format") or "float"
         self.active_requests += 1
         try:
             vectors, tokens = await self.embeddings.embed(inputs)

@@ -200,6 +200,19 @@ def is_final(command_id: str) -> bool:
     return command_row(command_id).status in {"succeeded", "failed", "rejected"}
 
 
+def engine_pid(port: int) -> int:
+    """The pid of the engine serving on `port` (from /proc: the agent does not say)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with suppress(OSError):
+            arguments = (entry / "cmdline").read_bytes().split(b"\0")
+            is_engine = b"engine" in arguments and b"--port" in arguments
+            if is_engine and arguments[arguments.index(b"--port") + 1] == str(port).encode():
+                return int(entry.name)
+    raise AssertionError(f"no engine process on port {port}")
+
+
 def logs(*paths: Path) -> str:
     return "\n".join(
         f"--- {path.name}\n{path.read_text()[-4000:]}" for path in paths if path.exists()
@@ -313,6 +326,22 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
         assert [r.status.value for r in replays()] == ["succeeded"]
         assert "faults set" in replays()[0].detail
 
+        # Its engine dies: the agent reports failed at once, then loads the version again.
+        os.kill(engine_pid(port), signal.SIGKILL)
+        wait_until(
+            lambda: "engine exited unexpectedly" in agent_row("agent-a").detail,
+            timeout=10,
+            message=logs(agent_log, ingest_log),
+        )
+        wait_until(
+            lambda: (row := agent_row("agent-a")).state == "ready" and row.detail == "",
+            timeout=ENGINE_READY_S,
+            message=logs(agent_log, ingest_log),
+        )
+        assert "restarting the engine for version" in agent_log.read_text()
+        restarted = agent_row("agent-a").endpoint
+        assert ask_paris(restarted) == "The capital of France is Paris."
+
         # Killed outright: lost within 5 s, and its engine does not outlive it.
         agent.send_signal(signal.SIGKILL)
         agent.wait(timeout=10)
@@ -324,7 +353,12 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
             message=logs(ingest_log),
         )
         assert time.monotonic() - killed_at <= 5
-        wait_until(lambda: not is_listening(port), timeout=30, message="engine outlived its agent")
+        restarted_port = int(restarted.rsplit(":", 1)[1])
+        wait_until(
+            lambda: not is_listening(restarted_port),
+            timeout=30,
+            message="engine outlived its agent",
+        )
         assert redis_client.xlen(HEARTBEATS_STREAM) > 0
 
 

@@ -8,6 +8,7 @@ import time
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def wait_for(predicate, timeout: float = 60, message: str = "") -> None:
@@ -96,6 +97,15 @@ def test_a_prompt_beyond_its_token_budget_is_refused(tiny_server, budget, code):
         ({"prompt": ""}, "prompt"),
         ({"prompt": [1, 99999]}, "prompt"),
         ({"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+        ({"prompt": "hi", "seed": 2**64}, "seed"),
+        ({"prompt": "hi", "seed": -1}, "seed"),
+        ({"prompt": "hi", "stop_token_ids": list(range(33))}, "stop_token_ids"),
+        ({"prompt": "hi", "stop_token_ids": [512]}, "stop_token_ids"),  # past the vocabulary
+        ({"prompt": "hi", "stop": ["x" * 257]}, "stop"),
+        ({"prompt": "hi", "logit_bias": {"5": 100}}, "logit_bias"),
+        ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"prompt": "hi", "best_of": 2}, "best_of"),
+        ({"prompt": "hi", "temperture": 0.5}, "temperture"),
     ],
 )
 def test_bad_completion_parameters_name_the_field(tiny_server, body, param):
@@ -116,14 +126,48 @@ def test_bad_chat_messages_name_the_field(tiny_server):
     assert response.json()["error"]["param"] == "messages[0].role"
 
 
-def test_malformed_json_is_400(tiny_server):
+@pytest.mark.parametrize(
+    ("extra", "param", "code"),
+    [
+        ({"tools": [{"type": "function"}]}, "tools", "unsupported_field"),
+        ({"n": 2}, "n", "invalid_value"),
+        ({"top_logprobs": 3}, "top_logprobs", "invalid_value"),  # without logprobs
+        (
+            {"messages": [{"role": "user", "content": "hi", "tool_calls": []}]},
+            "messages[0].tool_calls",
+            "unknown_field",
+        ),
+    ],
+)
+def test_chat_fields_the_engine_does_not_implement_are_refused(tiny_server, extra, param, code):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **extra}
+    response = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == (param, code)
+
+
+def test_an_unknown_model_is_404(tiny_server):
     response = httpx.post(
-        f"{tiny_server.base_url}/v1/chat/completions",
-        content=b"{not json",
+        f"{tiny_server.base_url}/v1/completions",
+        json={"model": "not-served-here", "prompt": "hi", "max_tokens": 1},
+    )
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"{not json", b"[" * 100_000 + b"]" * 100_000, b'{"temperature": NaN, "prompt": "hi"}'],
+    ids=["broken", "nested-past-the-recursion-limit", "nan"],
+)
+def test_malformed_json_is_400(tiny_server, content):
+    response = httpx.post(
+        f"{tiny_server.base_url}/v1/completions",
+        content=content,
         headers={"content-type": "application/json"},
     )
     assert response.status_code == 400
-    assert response.json()["error"]["code"] == "invalid_json"
+    assert response.json()["error"]["code"] in {"invalid_json", "invalid_value"}
 
 
 def test_unknown_route_is_404(tiny_server):
@@ -132,31 +176,49 @@ def test_unknown_route_is_404(tiny_server):
     assert response.json()["error"]["code"] == "not_found"
 
 
-def test_metrics_names_parallel_vllm(tiny_server):
-    tiny_server.client.completions.create(model="tiny", prompt="Hello", max_tokens=2)
-    text = httpx.get(f"{tiny_server.base_url}/metrics").text
-    for name in (
-        "engine:time_to_first_token_seconds_bucket",
-        "engine:inter_token_latency_seconds_bucket",
-        "engine:e2e_request_latency_seconds_bucket",
-        "engine:request_queue_time_seconds_bucket",
+def metric_values(server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"{server.base_url}/metrics").text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_names_parallel_vllm_and_move_with_each_request(tiny_server):
+    before = metric_values(tiny_server)
+    tiny_server.client.completions.create(
+        model="tiny", prompt=[5, 6, 7], max_tokens=2, extra_body={"ignore_eos": True}
+    )
+    after = metric_values(tiny_server)
+    model = (("model_name", "tiny"),)
+
+    def moved(name: str, labels: tuple[tuple[str, str], ...] = model) -> float:
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert moved("engine:prompt_tokens_total") == 3
+    assert moved("engine:generation_tokens_total") == 2
+    finished = (("finished_reason", "length"), ("model_name", "tiny"))
+    assert moved("engine:request_success_total", finished) == 1
+    assert moved("engine:time_to_first_token_seconds_count") == 1
+    assert moved("engine:inter_token_latency_seconds_count") == 1
+    assert moved("engine:e2e_request_latency_seconds_count") == 1
+    assert moved("engine:request_queue_time_seconds_count") == 1
+    assert moved("engine:prefix_cache_queries_total") >= 1
+    for gauge in (
         "engine:num_requests_running",
         "engine:num_requests_waiting",
         "engine:kv_cache_usage_perc",
-        "engine:prompt_tokens_total",
-        "engine:generation_tokens_total",
-        "engine:prefix_cache_queries_total",
-        "engine:prefix_cache_hits_total",
-        "engine:num_preemptions_total",
-        'engine:request_success_total{finished_reason="length",model_name="tiny"}',
     ):
-        assert name in text, name
+        assert after[(gauge, model)] == 0  # nothing left running once it answered
+    assert ("engine:num_preemptions_total", model) in after
+    assert ("engine:prefix_cache_hits_total", model) in after
 
 
-def test_admin_stats_shape(tiny_server):
+def test_admin_stats_shape(tiny_server, tiny_llama):
     tiny_server.client.completions.create(model="tiny", prompt="Hello", max_tokens=3)
     stats = tiny_server.stats()
-    assert stats["model"].endswith("tiny-llama0") or stats["model"]
+    assert stats["model"] == str(tiny_llama)
     assert stats["served_model_name"] == "tiny"
     assert stats["dtype"] == "float32"
     assert stats["state"] == "ready"

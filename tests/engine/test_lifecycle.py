@@ -29,13 +29,13 @@ def wait_for(predicate, timeout: float = 60) -> None:
 @pytest.mark.parametrize("trigger", ["admin", "sigterm"])
 def test_drain_finishes_in_flight_refuses_new_and_exits(tiny_llama: Path, tmp_path: Path, trigger):
     server = start_server(
-        ["--model", str(tiny_llama), "--max-model-len", "256", "--num-blocks", "64",
-         "--fault-latency-ms", "20"],
+        ["--model", str(tiny_llama), "--served-model-name", "tiny", "--max-model-len", "256",
+         "--num-blocks", "64", "--fault-latency-ms", "20"],
         tmp_path / "drain.log",
     )  # fmt: skip
     try:
         url = server.base_url
-        body = {"model": "x", "prompt": "Hello", "max_tokens": 40, "ignore_eos": True}
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 40, "ignore_eos": True}
         results: list[httpx.Response] = []
         worker = threading.Thread(
             target=lambda: results.append(
