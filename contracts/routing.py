@@ -215,8 +215,8 @@ def routing_table_build(
 def parse_routing_table(raw: str | bytes) -> RoutingTable:
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RoutingContractError(f"table: not JSON ({exc})") from exc
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past the limit
+        raise RoutingContractError(f"table: not JSON ({type(exc).__name__})") from exc
     if not isinstance(data, dict):
         raise RoutingContractError("table: must be a JSON object")
     if data.get("v") != SCHEMA_VERSION:
@@ -297,6 +297,13 @@ class RequestRecord:
     attempts: int = 1
     prompt: str | None = None
     completion: str | None = None
+    # The `code` of the error the client got ("" when it succeeded): the cause, which
+    # `is_server_fault` needs no more than the status to judge.
+    error_code: str = ""
+
+    @property
+    def is_server_fault(self) -> bool:
+        return is_server_fault(self.status)
 
     def to_fields(self) -> dict[str, str]:
         out = {
@@ -321,11 +328,32 @@ class RequestRecord:
             "usage_source": self.usage_source,
             "attempts": str(self.attempts),
         }
+        if self.error_code:
+            out["error_code"] = self.error_code
         if self.prompt is not None:
             out["prompt"] = self.prompt
         if self.completion is not None:
             out["completion"] = self.completion
         return out
+
+
+def is_server_fault(status: int) -> bool:
+    """Whether a request's failure counts against the version that served it: the
+    server's own (5xx: the engine failed, no agent answered, a timeout), never one the
+    request caused (4xx: a bad body, a limit) or a client that went away (499). The
+    canary analysis and ingest's fast path both read this, through RequestSample.is_error.
+    """
+    return status >= 500
+
+
+ERROR_CODE_PATTERN = re.compile(r"^[a-z0-9_]{1,64}$")
+
+
+def error_code_of(body: object) -> str:
+    """The `error.code` of an OpenAI-style error body, if it is a plain short code."""
+    error = body.get("error") if isinstance(body, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) and ERROR_CODE_PATTERN.fullmatch(code) else ""
 
 
 def _format(value: float | None) -> str:
@@ -437,4 +465,14 @@ def parse_request_record(data: Mapping[str, str]) -> RequestRecord:
         attempts=_int(data, "attempts", minimum=1, maximum=MAX_INTEGER),  # not stored
         prompt=_optional_text(data, "prompt"),
         completion=_optional_text(data, "completion"),
+        error_code=_error_code(data),
     )
+
+
+def _error_code(data: Mapping[str, str]) -> str:
+    value = data.get("error_code")
+    if value is None:  # absent: no error, or an entry written before the field existed
+        return ""
+    if not isinstance(value, str) or not ERROR_CODE_PATTERN.fullmatch(value):
+        raise RoutingContractError("error_code: must be 1-64 of a-z, 0-9, '_'")
+    return value

@@ -562,6 +562,8 @@ def parse_command(data: Mapping[str, str]) -> Command:
         payload = json.loads(_required(data, "payload"))
     except json.JSONDecodeError as exc:
         raise ContractError(f"payload: not JSON ({exc.msg})") from exc
+    except RecursionError as exc:
+        raise ContractError("payload: nested too deeply") from exc
     if not isinstance(payload, dict):
         raise ContractError("payload: must be a JSON object")
     command = Command(

@@ -170,6 +170,11 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PARSER_CLASSES": [
+        "controlplane.core.parsers.JSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 50,
     "DEFAULT_FILTER_BACKENDS": [
@@ -242,6 +247,9 @@ SPECTACULAR_SETTINGS["ENUM_NAME_OVERRIDES"] = {
 # Key grants and routing tables are cached in memory; pub/sub invalidates them at once and
 # these TTLs bound how stale a cache can be when a message is lost.
 GATEWAY_KEY_CACHE_TTL_S = float(os.environ.get("GATEWAY_KEY_CACHE_TTL_S", "30"))
+# Failed authentications per client address and minute before unknown keys from it are
+# refused without a database lookup (auth_throttle.py).
+GATEWAY_AUTH_FAILURES_PER_MINUTE = int(os.environ.get("GATEWAY_AUTH_FAILURES_PER_MINUTE", "20"))
 GATEWAY_ROUTING_REFRESH_S = float(os.environ.get("GATEWAY_ROUTING_REFRESH_S", "5"))
 GATEWAY_UPSTREAM_CONNECT_TIMEOUT_S = float(
     os.environ.get("GATEWAY_UPSTREAM_CONNECT_TIMEOUT_S", "2")

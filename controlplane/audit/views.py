@@ -7,6 +7,7 @@ from controlplane.accounts import access
 from controlplane.accounts.permissions import allows
 from controlplane.audit import selectors
 from controlplane.audit.models import AuditEvent
+from controlplane.core.filters import UtcIsoDateTimeFilter
 
 
 class AuditEventSerializer(serializers.ModelSerializer):
@@ -32,8 +33,8 @@ class AuditEventSerializer(serializers.ModelSerializer):
 class AuditEventFilter(django_filters.FilterSet):
     actor = django_filters.CharFilter(field_name="actor_name")
     action_prefix = django_filters.CharFilter(field_name="action", lookup_expr="startswith")
-    since = django_filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="gte")
-    until = django_filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="lt")
+    since = UtcIsoDateTimeFilter(field_name="created_at", lookup_expr="gte")
+    until = UtcIsoDateTimeFilter(field_name="created_at", lookup_expr="lt")
 
     class Meta:
         model = AuditEvent

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 import uuid
 from collections import defaultdict
@@ -27,6 +28,7 @@ import redis.asyncio as aioredis
 from django.conf import settings
 from prometheus_client import Counter
 
+from contracts.openai_request import CHECKS, RequestFieldError
 from contracts.routing import (
     REQUESTS_MAXLEN,
     REQUESTS_STREAM,
@@ -35,7 +37,9 @@ from contracts.routing import (
     RequestRecord,
     RoutingTable,
     VersionRoute,
+    error_code_of,
 )
+from controlplane.gateway.auth_throttle import AuthFailures
 from controlplane.gateway.caches import KeyCache, RoutingCache, choose_endpoint, choose_version
 from controlplane.gateway.metering import (
     StreamMeter,
@@ -65,6 +69,9 @@ RATE_LIMIT_UNAVAILABLE = Counter(
     "gateway_rate_limit_unavailable_total", "Requests admitted without a limit check (Redis down)"
 )
 UPSTREAM_RETRIES = Counter("gateway_upstream_retries_total", "Requests retried on another agent")
+AUTH_THROTTLED = Counter(
+    "gateway_auth_throttled_total", "Unknown keys refused unlooked-up: too many failures"
+)
 
 # path -> (endpoint kind, the key scope it needs)
 ROUTES = {
@@ -94,6 +101,7 @@ class Outcome:
     is_client_gone: bool = False
     response_body: bytes = b""
     meter: StreamMeter | None = None
+    error_code: str = ""  # the code of an error the gateway answered itself
 
 
 async def _bounded(step: Awaitable[Any], what: str, timeout_s: float) -> None:
@@ -120,6 +128,7 @@ class GatewayRequestError(Exception):
         message: str,
         error_type: str = "invalid_request_error",
         headers: list[tuple[bytes, bytes]] | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -127,6 +136,7 @@ class GatewayRequestError(Exception):
         self.message = message
         self.error_type = error_type
         self.headers = headers or []
+        self.param = param
 
 
 async def _send_json(send, status: int, body: bytes, headers=()) -> None:
@@ -202,6 +212,9 @@ class Gateway:
                 read_timeout_s=settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S,
             )
             self.keys = KeyCache(ttl_s=settings.GATEWAY_KEY_CACHE_TTL_S)
+            self.auth_failures = AuthFailures(
+                limit=settings.GATEWAY_AUTH_FAILURES_PER_MINUTE, window_s=60.0
+            )
             self.key_uses = KeyUses(interval_s=KEY_TOUCH_INTERVAL_S)
             self.routing = RoutingCache()
             self.headroom = Headroom()
@@ -344,7 +357,7 @@ class Gateway:
             await _send_json(
                 send,
                 exc.status,
-                _error_body(exc.status, exc.code, exc.message, exc.error_type),
+                _error_body(exc.status, exc.code, exc.message, exc.error_type, exc.param),
                 exc.headers,
             )
 
@@ -374,7 +387,8 @@ class Gateway:
             elif name == b"x-session-id":
                 session_id = value.decode("latin-1")
         if path == "/v1/models" or path in ROUTES:
-            grant = await self._authenticate(authorization)
+            client = scope.get("client")
+            grant = await self._authenticate(authorization, client[0] if client else "")
         else:
             raise GatewayRequestError(404, "not_found", f"No route for {path}.")
         if path == "/v1/models":
@@ -388,7 +402,7 @@ class Gateway:
         raw = await _read_body(receive, settings.GATEWAY_MAX_BODY_BYTES)
         try:
             body = json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested past the limit
             raise GatewayRequestError(400, "invalid_json", "The body is not JSON.") from exc
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
             raise GatewayRequestError(400, "invalid_request", "`model` (a string) is required.")
@@ -398,25 +412,20 @@ class Gateway:
                 403, "insufficient_scope", f"This key may not call {path}.", "permission_error"
             )
         deployment = self.routing.by_model.get(model)
-        if model not in grant.allowed_models:
-            if deployment is None:
-                raise GatewayRequestError(
-                    404, "model_not_found", f"The model {model!r} does not exist."
-                )
+        if model not in grant.allowed_models or deployment is None:
+            # One answer whether the model is unknown, not the tenant's, or not deployed:
+            # a key learns nothing about other tenants' models.
             raise GatewayRequestError(
-                403,
-                "model_not_allowed",
-                f"Your tenant may not use the model {model!r}.",
-                "permission_error",
+                404, "model_not_found", f"The model {model[:100]!r} does not exist.", param="model"
             )
-        if deployment is None:
-            raise GatewayRequestError(
-                404, "model_not_found", f"The model {model!r} is not deployed."
-            )
+        try:
+            CHECKS[kind](body)  # the engine's own checks: a bad body never reaches an agent
+        except RequestFieldError as exc:
+            raise GatewayRequestError(400, exc.code, exc.message, param=exc.param) from exc
         table = self.routing.tables[deployment]
         await self._proxy(scope, receive, send, grant, table, kind, path, body, raw, session_id)
 
-    async def _authenticate(self, authorization: bytes) -> KeyGrant:
+    async def _authenticate(self, authorization: bytes, address: str) -> KeyGrant:
         scheme, _, token = authorization.decode("latin-1").partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
@@ -426,8 +435,21 @@ class Gateway:
                 "Missing API key: send Authorization: Bearer <key>.",
                 "invalid_request_error",
             )
-        grant = await self.keys.get(token)
+        now = time.monotonic()
+        throttled_for = self.auth_failures.retry_after_s(address, now)
+        grant = await self.keys.get(token, may_look_up=throttled_for is None)
+        if grant is None and throttled_for is not None:
+            AUTH_THROTTLED.inc()
+            seconds = max(1, math.ceil(throttled_for))
+            raise GatewayRequestError(
+                429,
+                "too_many_failed_authentications",
+                f"Too many failed authentications from your address; retry after {seconds} s.",
+                "invalid_request_error",
+                headers=[(b"retry-after", str(seconds).encode())],
+            )
         if grant is None:
+            self.auth_failures.record(address, now)
             raise GatewayRequestError(
                 401, "invalid_api_key", "Incorrect API key provided.", "invalid_request_error"
             )
@@ -459,7 +481,7 @@ class Gateway:
                 tenant_id=grant.tenant_id,
                 requests_per_minute=grant.requests_per_minute,
                 tokens_per_minute=grant.tokens_per_minute,
-                estimate=reservation,
+                reservation=reservation,
                 is_urgent=is_urgent,
             )
         except (redis.RedisError, OSError) as exc:
@@ -642,8 +664,18 @@ class Gateway:
             prompt_tokens = estimate_tokens(len(text)) if answered else 0
             completion_tokens = meter.token_events if meter is not None else 0
         status = outcome.status or 500
+        error_code = outcome.error_code
         if meter is not None and meter.has_error and status < 400:
             status = 500  # an error event inside a 200 stream is still a failed request
+            error_code = "stream_error"
+        elif status == CLIENT_CLOSED:
+            error_code = "client_closed"
+        elif status >= 400 and not error_code:
+            try:
+                error_code = error_code_of(json.loads(outcome.response_body))
+            except (ValueError, RecursionError):
+                error_code = ""
+            error_code = error_code or f"http_{status}"
         return RequestRecord(
             request_id=request_id,
             tenant_id=grant.tenant_id,
@@ -666,6 +698,7 @@ class Gateway:
             attempts=max(1, outcome.attempts),
             prompt=text if grant.is_prompt_logging else None,
             completion=completion_text if grant.is_prompt_logging else None,
+            error_code=error_code,
         )
 
     async def _connect(
@@ -749,6 +782,7 @@ class Gateway:
                 raise
         if connected is None:
             outcome.status = 503
+            outcome.error_code = "no_ready_agent"
             outcome.is_complete = True
             await _send_json(
                 send,
@@ -816,6 +850,7 @@ class Gateway:
                 # After the first byte there is no retry: end the stream, count it failed.
                 logger.warning("agent stream broke", extra={"agent": endpoint, "error": str(exc)})
                 outcome.status = 502
+                outcome.error_code = "upstream_error"
             outcome.is_complete = True
             await send({"type": "http.response.body", "body": buffer, "more_body": False})
         finally:
@@ -826,6 +861,7 @@ class Gateway:
     async def _send_upstream_error(send, outcome: Outcome, exc: UpstreamError) -> None:
         is_timeout = isinstance(exc, UpstreamTimeout)
         outcome.status = 504 if is_timeout else 502
+        outcome.error_code = "upstream_timeout" if is_timeout else "upstream_error"
         outcome.is_complete = True
         body = _error_body(
             outcome.status,

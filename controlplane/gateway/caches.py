@@ -2,6 +2,7 @@
 
 Key grants come from the database on first use (one query, in a worker thread) and stay
 for `ttl_s`; a stale grant is served once more while a background lookup refreshes it.
+Unknown keys are remembered for a few seconds in a small LRU of their own.
 Messages on `gateway:invalidate` drop grants at once (a revoked key, changed limits).
 Routing tables come from Redis: all of them at start and every `refresh_s`, one of them
 when `routing:changed` names it.
@@ -12,6 +13,7 @@ import hashlib
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from hashlib import blake2b
 
@@ -33,7 +35,8 @@ from controlplane.gateway.selectors import KeyGrant, key_grant_for_raw_key
 logger = logging.getLogger(__name__)
 
 NEGATIVE_TTL_S = 5.0
-MAX_ENTRIES = 100_000
+MAX_GRANTS = 100_000  # keys that exist: bounded by the keys tenants hold
+MAX_UNKNOWN = 10_000  # keys that do not: anyone can make up more, so a separate, small LRU
 
 
 def _lookup(raw_key: str) -> KeyGrant | None:
@@ -45,29 +48,39 @@ def _lookup(raw_key: str) -> KeyGrant | None:
 
 
 class KeyCache:
+    """Grants of real keys, and a short memory of unknown ones, kept apart: a flood of
+    made-up keys fills only the small unknown-key LRU and never evicts a grant."""
+
     def __init__(self, *, ttl_s: float, lookup: Callable[[str], KeyGrant | None] = _lookup) -> None:
         self.ttl_s = ttl_s
         self._lookup = sync_to_async(lookup, thread_sensitive=False)
-        # sha256(raw key) -> (fresh until, grant or None for an unknown key)
-        self._entries: dict[str, tuple[float, KeyGrant | None]] = {}
+        # sha256(raw key) -> (fresh until, grant), least recently used first
+        self._grants: OrderedDict[str, tuple[float, KeyGrant]] = OrderedDict()
+        self._unknown: OrderedDict[str, float] = OrderedDict()  # sha256 -> unknown until
         self._loading: dict[str, asyncio.Future[KeyGrant | None]] = {}
 
-    async def get(self, raw_key: str) -> KeyGrant | None:
+    async def get(self, raw_key: str, *, may_look_up: bool = True) -> KeyGrant | None:
+        """The key's grant, or None: unknown, revoked, expired, or (with `may_look_up`
+        False) not in memory, when the database must not be asked."""
         digest = hashlib.sha256(raw_key.encode()).hexdigest()
         now = time.monotonic()
-        entry = self._entries.get(digest)
+        entry = self._grants.get(digest)
         if entry is not None:
+            self._grants.move_to_end(digest)
             fresh_until, grant = entry
             if fresh_until > now:
                 return self._live(grant)
-            if grant is not None and fresh_until + self.ttl_s > now:
-                self._load(raw_key, digest)  # refresh in the background, serve the stale grant
+            if fresh_until + self.ttl_s > now:
+                if may_look_up:
+                    self._load(raw_key, digest)  # refresh in the background, serve the stale
                 return self._live(grant)
+        if self._unknown.get(digest, 0.0) > now or not may_look_up:
+            return None
         return await asyncio.shield(self._load(raw_key, digest))
 
     @staticmethod
-    def _live(grant: KeyGrant | None) -> KeyGrant | None:
-        if grant is not None and grant.expires_at is not None and grant.expires_at <= time.time():
+    def _live(grant: KeyGrant) -> KeyGrant | None:
+        if grant.expires_at is not None and grant.expires_at <= time.time():
             return None
         return grant
 
@@ -81,27 +94,37 @@ class KeyCache:
     async def _fetch(self, raw_key: str, digest: str) -> KeyGrant | None:
         try:
             grant = await self._lookup(raw_key)
-            if len(self._entries) >= MAX_ENTRIES:
-                self._entries.clear()
-            ttl = self.ttl_s if grant is not None else NEGATIVE_TTL_S
-            self._entries[digest] = (time.monotonic() + ttl, grant)
+            now = time.monotonic()
+            if grant is None:
+                self._grants.pop(digest, None)
+                self._unknown[digest] = now + NEGATIVE_TTL_S
+                self._unknown.move_to_end(digest)
+                while len(self._unknown) > MAX_UNKNOWN:
+                    self._unknown.popitem(last=False)
+                return None
+            self._unknown.pop(digest, None)
+            self._grants[digest] = (now + self.ttl_s, grant)
+            self._grants.move_to_end(digest)
+            while len(self._grants) > MAX_GRANTS:
+                self._grants.popitem(last=False)
             return self._live(grant)
         finally:
             self._loading.pop(digest, None)
 
     def invalidate(self, message: str) -> None:
         """ "all", or "tenant:<id>" (also forgets unknown keys: one may just have been made)."""
+        self._unknown.clear()
         if message == "all" or not message.startswith("tenant:"):
-            self._entries.clear()
+            self._grants.clear()
             return
         try:
             tenant_id = int(message.split(":", 1)[1])
         except ValueError:
-            self._entries.clear()
+            self._grants.clear()
             return
-        for digest, (_, grant) in list(self._entries.items()):
-            if grant is None or grant.tenant_id == tenant_id:
-                self._entries.pop(digest, None)
+        for digest, (_, grant) in list(self._grants.items()):
+            if grant.tenant_id == tenant_id:
+                self._grants.pop(digest, None)
 
 
 class RoutingCache:

@@ -174,7 +174,7 @@ class StreamMeter:
             return event
         try:
             chunk = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):
             return event
         if not isinstance(chunk, dict):
             return event
@@ -229,7 +229,7 @@ def response_usage_and_text(body: bytes, *, is_capturing: bool) -> tuple[dict | 
     """The `usage` of a whole (non-streamed) response and, when asked, its text."""
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None, ""
     if not isinstance(data, dict):
         return None, ""

@@ -21,7 +21,10 @@ class RequestSample(models.Model):
     agent = models.CharField(max_length=255, blank=True)  # endpoint that served it
     endpoint_kind = models.CharField(max_length=20)  # chat, completions, embeddings
     status = models.PositiveSmallIntegerField()
-    is_error = models.BooleanField()  # status >= 500 (the agent's or the gateway's fault)
+    # contracts.routing.is_server_fault: 5xx, the agent's or the gateway's fault; never a
+    # request's own (4xx). The canary analysis and the fast path read this.
+    is_error = models.BooleanField()
+    error_code = models.CharField(max_length=64, blank=True, default="")  # why, when it failed
     is_stream = models.BooleanField()
     ttft_s = models.FloatField(null=True)  # streamed responses only
     itl_mean_s = models.FloatField(null=True)

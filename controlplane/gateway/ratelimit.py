@@ -42,19 +42,19 @@ local requests_key = prefix .. 'r:' .. window
 local tokens_key = prefix .. 't:' .. window
 local requests_limit = tonumber(ARGV[2])
 local tokens_limit = tonumber(ARGV[3])
-local estimate = tonumber(ARGV[4])
+local reservation = tonumber(ARGV[4])
 local retry_after = window + 60 - now
 local requests_used = tonumber(redis.call('GET', requests_key) or '0')
 local tokens_used = tonumber(redis.call('GET', tokens_key) or '0')
 if requests_used + 1 > requests_limit then
   return {0, retry_after, window, 'requests', requests_used, tokens_used}
 end
-if tokens_used + estimate > tokens_limit then
+if tokens_used + reservation > tokens_limit then
   return {0, retry_after, window, 'tokens', requests_used, tokens_used}
 end
 requests_used = redis.call('INCR', requests_key)
 redis.call('EXPIRE', requests_key, 120)
-tokens_used = redis.call('INCRBY', tokens_key, estimate)
+tokens_used = redis.call('INCRBY', tokens_key, reservation)
 redis.call('EXPIRE', tokens_key, 120)
 return {1, 0, window, '', requests_used, tokens_used}
 """
@@ -144,7 +144,7 @@ class Admission:
 
 
 def admission_command(
-    tenant_id: int, requests_per_minute: int, tokens_per_minute: int, estimate: int
+    tenant_id: int, requests_per_minute: int, tokens_per_minute: int, reservation: int
 ) -> tuple[Any, ...]:
     """The admission as one Redis command (for a pipeline)."""
     return (
@@ -154,7 +154,7 @@ def admission_command(
         tenant_id,
         requests_per_minute,
         tokens_per_minute,
-        max(0, estimate),
+        max(0, reservation),
     )
 
 
@@ -208,5 +208,5 @@ class Headroom:
 
 
 def settle_command(tenant_id: int, window: int, delta: int) -> tuple[Any, ...]:
-    """The correction of a window's token count by `delta` (actual minus estimate)."""
+    """The correction of a window's token count by `delta` (used minus reserved)."""
     return ("EVALSHA", _SETTLE_SHA, 0, tenant_id, window, delta)

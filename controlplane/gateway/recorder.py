@@ -95,12 +95,12 @@ class RedisBatcher:
         tenant_id: int,
         requests_per_minute: int,
         tokens_per_minute: int,
-        estimate: int,
+        reservation: int,
         is_urgent: bool,
     ) -> "asyncio.Future[Admission]":
         """Queue one admission; the future gives its `Admission`, or a Redis error."""
         future = asyncio.get_running_loop().create_future()
-        command = admission_command(tenant_id, requests_per_minute, tokens_per_minute, estimate)
+        command = admission_command(tenant_id, requests_per_minute, tokens_per_minute, reservation)
         self._queue.append(Command(arguments=command, admission=future))
         self._schedule(is_urgent)
         return future

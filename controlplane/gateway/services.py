@@ -123,10 +123,6 @@ def _minute(timestamp: float) -> datetime:
     return datetime.fromtimestamp(timestamp - timestamp % 60, tz=UTC)
 
 
-def _is_error(status: int) -> bool:
-    return status >= 500
-
-
 @transaction.atomic
 def request_records_apply(*, records: Sequence[RequestRecord]) -> int:
     """Insert each request's sample once and add newly inserted ones to usage.
@@ -200,6 +196,7 @@ def _samples_insert(records: Sequence[RequestRecord]) -> set[str]:
         "prompt_tokens",
         "completion_tokens",
         "finished_at",
+        "error_code",
     ]
     rows = []
     params: list[Any] = []
@@ -214,7 +211,7 @@ def _samples_insert(records: Sequence[RequestRecord]) -> set[str]:
                 r.agent,
                 r.endpoint_kind,
                 r.status,
-                _is_error(r.status),
+                r.is_server_fault,
                 r.is_stream,
                 r.ttft_s,
                 r.itl_mean_s,
@@ -223,6 +220,7 @@ def _samples_insert(records: Sequence[RequestRecord]) -> set[str]:
                 r.prompt_tokens,
                 r.completion_tokens,
                 adapt(datetime.fromtimestamp(r.finished_at, tz=UTC)),
+                r.error_code,
             ]
         )
     # Only quoted identifiers from the models are formatted in; values are parameters.
@@ -252,7 +250,7 @@ def _usage_add(records: Sequence[RequestRecord]) -> None:
         delta.requests += 1
         delta.prompt_tokens += r.prompt_tokens
         delta.completion_tokens += r.completion_tokens
-        delta.errors += 1 if _is_error(r.status) else 0
+        delta.errors += 1 if r.is_server_fault else 0
     _usage_upsert(deltas)
 
 

@@ -98,7 +98,7 @@ def detect_format(file: BinaryIO, size: int) -> str:
             file.seek(8)
             try:
                 header = json.loads(file.read(header_length))
-            except (UnicodeDecodeError, json.JSONDecodeError):
+            except (ValueError, RecursionError):  # not JSON, or nested past the limit
                 header = None
             if isinstance(header, dict):
                 return ArtifactFormat.SAFETENSORS

@@ -159,3 +159,20 @@ def test_a_record_at_every_bound_is_stored_by_ingest() -> None:
     assert sample.finished_at.year == 9999
     assert UsageRecord.objects.get(tenant=setup.tenant).prompt_tokens == MAX_INTEGER
     assert len(PromptRecord.objects.get(request_id=record.request_id).prompt) == 100_000
+
+
+def test_an_error_code_travels_with_the_record_and_is_checked() -> None:
+    failed = dataclasses.replace(RECORD, status=400, error_code="context_length_exceeded")
+    assert parse_request_record(failed.to_fields()) == failed
+    assert "error_code" not in VALID  # none when it succeeded, as before the field existed
+    assert parse_request_record(VALID).error_code == ""
+    for bad in ("", "Not A Code", "x" * 65, "a\x00b"):
+        with pytest.raises(RoutingContractError, match="error_code"):
+            parse_request_record({**VALID, "error_code": bad})
+
+
+@pytest.mark.parametrize(
+    ("status", "is_fault"), [(200, False), (400, False), (429, False), (499, False), (500, True)]
+)
+def test_only_server_failures_count_against_a_version(status, is_fault) -> None:
+    assert dataclasses.replace(RECORD, status=status).is_server_fault is is_fault

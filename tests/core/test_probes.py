@@ -1,5 +1,8 @@
 import pytest
 from django.test import Client, override_settings
+from prometheus_client.parser import text_string_to_metric_families
+
+from controlplane.gateway.spool import Spool
 
 
 @pytest.mark.django_db
@@ -28,12 +31,22 @@ def test_readyz_is_503_when_redis_is_unreachable() -> None:
     assert body["checks"]["redis"].startswith("redis unreachable")
 
 
-@pytest.mark.django_db
-def test_metrics_are_prometheus_text() -> None:
+def spooled_total() -> float:
     response = Client().get("/metrics")
     assert response.status_code == 200
     assert response["Content-Type"].startswith("text/plain")
-    assert b"python_info" in response.content
+    families = {
+        family.name: family for family in text_string_to_metric_families(response.content.decode())
+    }
+    (sample,) = [s for s in families["gateway_spool_entries"].samples if s.name.endswith("_total")]
+    return sample.value
+
+
+@pytest.mark.django_db
+def test_metrics_show_this_process_counters_as_they_move(tmp_path) -> None:
+    before = spooled_total()
+    assert Spool(tmp_path, max_bytes=1 << 20).append({"request_id": "a" * 32})
+    assert spooled_total() == before + 1
 
 
 @pytest.mark.django_db

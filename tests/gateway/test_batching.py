@@ -37,7 +37,7 @@ async def serve_requests(
                 tenant_id=7,
                 requests_per_minute=requests_per_minute,
                 tokens_per_minute=1_000_000,
-                estimate=10,
+                reservation=10,
                 is_urgent=index % 3 == 0,
             )
         except redis.RedisError as exc:
@@ -156,7 +156,7 @@ def test_an_admission_counts_every_settlement_queued_before_it(redis_client, tmp
                     tenant_id=8,
                     requests_per_minute=1000,
                     tokens_per_minute=1000,
-                    estimate=10,
+                    reservation=10,
                     is_urgent=True,
                 )
                 admissions.append(admission)

@@ -180,15 +180,25 @@ def test_error_statuses_in_openai_shape(stores, engines, gateways) -> None:
     assert bad_key.value.status_code == 401
     assert bad_key.value.body["code"] == "invalid_api_key"
 
-    # A model that exists but is not the tenant's: 403, and nothing is counted or routed.
-    with pytest.raises(openai.PermissionDeniedError) as denied:
-        client.chat.completions.create(model="secret-model", messages=MESSAGES, max_tokens=1)
-    assert denied.value.body["code"] == "model_not_allowed"
+    # A model that is deployed but not the tenant's answers exactly as one that does not
+    # exist (a key learns nothing of other tenants' models); nothing is counted or routed.
+    answers = {}
+    for model in ("secret-model", "no-such-model"):
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1)
+        answers[model] = (missing.value.status_code, missing.value.body)
+    assert answers["secret-model"] == (
+        404,
+        {
+            "message": "The model 'secret-model' does not exist.",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        },
+    )
+    assert answers["no-such-model"][1]["code"] == "model_not_found"
+    assert answers["no-such-model"][1]["message"] == "The model 'no-such-model' does not exist."
     assert [m.id for m in client.models.list()] == ["smollm2"]
-
-    with pytest.raises(openai.NotFoundError) as unknown:
-        client.chat.completions.create(model="no-such-model", messages=MESSAGES, max_tokens=1)
-    assert unknown.value.body["code"] == "model_not_found"
     assert stores.xlen(REQUESTS_STREAM) == 0
 
     client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=1)
