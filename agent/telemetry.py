@@ -7,19 +7,11 @@ request outcomes from the `recent` list of finished requests after a watermark.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-
-def percentile(values: Sequence[float], fraction: float) -> float | None:
-    """Nearest-rank percentile; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(fraction * len(ordered)))
-    return ordered[rank - 1]
+from contracts.stats import percentile
 
 
 @dataclass(slots=True)
@@ -118,10 +110,10 @@ class TelemetryAccumulator:
         for key in list(self._engines):
             if key not in stats_by_engine:
                 del self._engines[key]
-        figures.ttft_p50_s = percentile(ttfts, 0.5)
-        figures.ttft_p95_s = percentile(ttfts, 0.95)
+        figures.ttft_p50_s = percentile(ttfts, 50)
+        figures.ttft_p95_s = percentile(ttfts, 95)
         figures.itl_mean_s = itl_weighted_sum / itl_weight if itl_weight else None
-        figures.itl_p95_s = percentile(itl_p95s, 0.95)
+        figures.itl_p95_s = percentile(itl_p95s, 95)
         self.prompt_tokens_total += figures.prompt_tokens
         self.generated_tokens_total += figures.generated_tokens
         self.requests_ok_total += figures.requests_ok

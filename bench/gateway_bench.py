@@ -62,6 +62,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from contracts.stats import percentile
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUDGET_S = 120
 QUICK_BUDGET_S = 90
@@ -93,13 +95,8 @@ class PathSamples:
         self.errors[reason] = self.errors.get(reason, 0) + 1
 
     def percentile(self, q: float) -> float | None:
-        if not self.ttfts:
-            return None
-        ordered = sorted(self.ttfts)
-        position = q * (len(ordered) - 1)
-        low = int(position)
-        high = min(low + 1, len(ordered) - 1)
-        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+        """q as a fraction (0..1)."""
+        return percentile(self.ttfts, q * 100)
 
     @property
     def throughput(self) -> float | None:

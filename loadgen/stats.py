@@ -13,23 +13,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from contracts.stats import percentile
+
 PERCENTILES = (50, 90, 95, 99)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation between closest ranks.
-
-    The same definition as numpy's default ("linear"): rank = q/100 * (n - 1).
-    """
-    if not values:
-        raise ValueError("percentile of an empty series")
-    if not 0 <= q <= 100:
-        raise ValueError("q must be within 0..100")
-    ordered = sorted(values)
-    rank = q / 100 * (len(ordered) - 1)
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 class Series(Protocol):

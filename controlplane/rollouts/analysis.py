@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
+from contracts.stats import percentile
+
 
 class Verdict(StrEnum):
     PASS = "pass"  # noqa: S105 - a verdict, not a password
@@ -136,13 +138,6 @@ class AnalysisResult:
     baseline: dict[str, Any]
     canary: dict[str, Any]
     tests: dict[str, Any] = field(default_factory=dict)
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default); None for no values."""
-    if len(values) == 0:
-        return None
-    return float(np.percentile(np.asarray(values, dtype=float), q))
 
 
 def summarize(samples: Samples) -> dict[str, Any]:

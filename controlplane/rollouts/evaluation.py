@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
+
+from contracts.stats import percentile
 
 DATASETS = Path(__file__).resolve().parent / "datasets"
 TOP_LOGPROBS = 20
@@ -218,9 +219,9 @@ def latency(
     ttfts = [ttft * 1000 for ttft, _ in results]
     gaps = [gap * 1000 for _, request_gaps in results for gap in request_gaps]
     return {
-        "ttft_p95_ms": float(np.percentile(ttfts, 95)),
-        "ttft_p50_ms": float(np.percentile(ttfts, 50)),
-        "itl_p95_ms": float(np.percentile(gaps, 95)) if gaps else 0.0,
+        "ttft_p95_ms": percentile(ttfts, 95),
+        "ttft_p50_ms": percentile(ttfts, 50),
+        "itl_p95_ms": percentile(gaps, 95) if gaps else 0.0,
         "requests": float(len(results)),
         "concurrency": float(concurrency),
     }

@@ -1,6 +1,6 @@
 """Interval figures from engine stats: counters, finished requests after a watermark."""
 
-from agent.telemetry import TelemetryAccumulator, percentile
+from agent.telemetry import TelemetryAccumulator
 
 
 def stats(generated: int, prompt: int, recent: list[dict]) -> dict:
@@ -55,9 +55,3 @@ def test_a_restarted_engine_is_a_counter_reset_and_engines_add_up() -> None:
     telemetry.observe({"old": stats(500, 0, [])})
     figures = telemetry.observe({"old": stats(20, 0, []), "new": stats(7, 0, [])})
     assert figures.generated_tokens == 27
-
-
-def test_percentile_is_nearest_rank() -> None:
-    assert percentile([], 0.95) is None
-    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
-    assert percentile([float(n) for n in range(1, 101)], 0.95) == 95.0

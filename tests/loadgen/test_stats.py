@@ -7,23 +7,8 @@ from loadgen.stats import (
     Slo,
     StreamingSeries,
     max_rate_at_attainment,
-    percentile,
     time_per_output_token,
 )
-
-
-def test_percentiles_interpolate_between_ranks():
-    values = [4.0, 1.0, 3.0, 2.0]
-    # rank = q/100 * (n - 1) over the sorted values 1, 2, 3, 4
-    assert percentile(values, 0) == 1.0
-    assert percentile(values, 50) == 2.5
-    assert percentile(values, 90) == pytest.approx(3.7)
-    assert percentile(values, 95) == pytest.approx(3.85)
-    assert percentile(values, 99) == pytest.approx(3.97)
-    assert percentile(values, 100) == 4.0
-    assert percentile([7.0], 99) == 7.0
-    with pytest.raises(ValueError, match="empty"):
-        percentile([], 50)
 
 
 def test_streaming_series_stays_within_half_a_percent():

@@ -16,20 +16,12 @@ from controlplane.rollouts.analysis import (
     analyze,
     hard_breach,
     mann_whitney_greater,
-    percentile,
     stage_decide,
     summarize,
     two_proportion_z_greater,
 )
 
 POLICY = AnalysisPolicy(min_samples=5, alpha=0.05, latency_tolerance=0.0)
-
-
-def test_percentile_interpolates_linearly() -> None:
-    # Positions 0..4; p95 sits at 3.8: 40 + 0.8 * (50 - 40) = 48.
-    assert percentile([10, 20, 30, 40, 50], 95) == 48.0
-    assert percentile([10, 20, 30, 40, 50], 50) == 30.0
-    assert percentile([], 95) is None
 
 
 def test_summary_counts_errors_and_rates() -> None:
