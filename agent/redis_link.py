@@ -43,10 +43,6 @@ class RedisLink:
         self._next_attempt_at = 0.0
         self._backoff_s = INITIAL_BACKOFF_S
 
-    @property
-    def is_connected(self) -> bool:
-        return self._is_connected
-
     def call(self, operation: Callable[[redis.Redis], T]) -> T:
         with self._lock:
             if not self._is_connected and time.monotonic() < self._next_attempt_at:

@@ -40,7 +40,3 @@ class StrictFieldsMixin:
 
 class StrictSerializer(StrictFieldsMixin, serializers.Serializer):
     pass
-
-
-class StrictModelSerializer(StrictFieldsMixin, serializers.ModelSerializer):
-    pass

@@ -1,12 +1,7 @@
-"""Reads for the gateway (key grants) and for rollout analysis (request samples)."""
+"""Reads for the gateway: the grant of an API key."""
 
-from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
 
-from django.db.models import QuerySet
-
-from controlplane.gateway.models import RequestSample
 from controlplane.tenants.models import PromptLogging
 from controlplane.tenants.selectors import api_key_authenticate
 
@@ -42,13 +37,4 @@ def key_grant_for_raw_key(raw_key: str) -> KeyGrant | None:
         scopes=frozenset(key.scopes or ()),
         is_prompt_logging=tenant.prompt_logging == PromptLogging.FULL,
         expires_at=key.expires_at.timestamp() if key.expires_at else None,
-    )
-
-
-def request_samples_for_versions(
-    *, version_ids: Iterable[int], since: datetime, until: datetime
-) -> QuerySet[RequestSample]:
-    """The samples of these versions finished in [since, until): what canary analysis reads."""
-    return RequestSample.objects.filter(
-        version_id__in=list(version_ids), finished_at__gte=since, finished_at__lt=until
     )

@@ -96,15 +96,6 @@ def routing_table_publish(
     return table
 
 
-def routing_table_delete(*, deployment: str, client: redis.Redis | None = None) -> None:
-    client = client or _redis()
-    pipe = client.pipeline(transaction=True)
-    pipe.delete(routing_key(deployment))
-    pipe.srem(ROUTING_INDEX_KEY, deployment)
-    pipe.publish(ROUTING_CHANNEL, deployment)
-    pipe.execute()
-
-
 def gateway_cache_invalidate(
     *, tenant_id: int | None = None, client: redis.Redis | None = None
 ) -> None:

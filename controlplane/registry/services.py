@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from contracts.signing import SignatureError, load_public_key, verify_signature
 from controlplane.audit.services import audit_event_record
-from controlplane.core.errors import Conflict, DomainError, NotFound
+from controlplane.core.errors import Conflict, DomainError
 from controlplane.registry import store
 from controlplane.registry.models import (
     Artifact,
@@ -448,13 +448,6 @@ def evaluation_record(
             reason=f"passed {suite.name}",
         )
     return evaluation
-
-
-def version_get(*, pk: int) -> ModelVersion:
-    version = ModelVersion.objects.select_related("model").filter(pk=pk).first()
-    if version is None:
-        raise NotFound("No such version.")
-    return version
 
 
 def artifact_store_file(

@@ -13,7 +13,6 @@ from controlplane.rollouts.models import (
     AnalysisRun,
     Deployment,
     Rollout,
-    RolloutState,
     WebhookDelivery,
     WebhookEndpoint,
 )
@@ -27,10 +26,6 @@ def rollout_list() -> QuerySet[Rollout]:
     return Rollout.objects.select_related(
         "deployment", "baseline", "candidate", "created_by"
     ).prefetch_related("required_suites")
-
-
-def rollouts_running() -> QuerySet[Rollout]:
-    return Rollout.objects.filter(state=RolloutState.RUNNING)
 
 
 def analysis_run_list(*, rollout: Rollout) -> QuerySet[AnalysisRun]:
