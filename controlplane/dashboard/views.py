@@ -33,7 +33,7 @@ from controlplane.fleet import selectors as fleet_selectors
 from controlplane.fleet import services as fleet_services
 from controlplane.fleet.models import AgentState
 from controlplane.registry import selectors as registry_selectors
-from controlplane.registry.models import VersionStatus
+from controlplane.registry.models import DEPLOYABLE_STATUSES
 from controlplane.rollouts import selectors as rollout_selectors
 from controlplane.rollouts import services as rollout_services
 from controlplane.rollouts.models import ACTIVE_STATES
@@ -316,7 +316,7 @@ def fleet(request: HttpRequest) -> HttpResponse:
         "rows": rows,
         "may_command": access.can_command_agents(request.user),
         "loadable_versions": registry_selectors.version_list().filter(
-            status__in=[VersionStatus.VERIFIED, VersionStatus.EVALUATED, VersionStatus.APPROVED]
+            status__in=DEPLOYABLE_STATUSES
         ),
     }
     return _render(

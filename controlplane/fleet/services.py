@@ -45,19 +45,11 @@ from controlplane.fleet.models import (
     CommandKind,
     CommandStatus,
 )
-from controlplane.registry.models import ModelVersion, VersionStatus
+from controlplane.registry.models import LOADABLE_STATUSES, ModelVersion
 
 logger = logging.getLogger(__name__)
 
 RESERVED_AGENT_NAMES = frozenset({"register"})
-LOADABLE_STATUSES = frozenset(
-    {
-        VersionStatus.VERIFIED,
-        VersionStatus.EVALUATED,
-        VersionStatus.APPROVED,
-        VersionStatus.DEPRECATED,
-    }
-)
 
 
 def fleet_event_publish(event: str, payload: dict[str, Any]) -> None:

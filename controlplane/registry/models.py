@@ -30,6 +30,15 @@ class VersionStatus(models.TextChoices):
     REVOKED = "revoked", "Revoked"
 
 
+# Checked and not withdrawn: may become a deployment's stable version or a canary, be
+# evaluated, or be deprecated.
+DEPLOYABLE_STATUSES = frozenset(
+    {VersionStatus.VERIFIED, VersionStatus.EVALUATED, VersionStatus.APPROVED}
+)
+# What an agent may load: the deployable ones, and deprecated ones still being served.
+LOADABLE_STATUSES = DEPLOYABLE_STATUSES | {VersionStatus.DEPRECATED}
+
+
 class Model(models.Model):
     name = models.CharField(max_length=100, unique=True)
     task = models.CharField(max_length=20, choices=Task.choices)

@@ -1,4 +1,4 @@
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +11,7 @@ from controlplane.audit.services import audit_event_record
 from controlplane.core.errors import Conflict, DomainError
 from controlplane.registry import store
 from controlplane.registry.models import (
+    DEPLOYABLE_STATUSES,
     Artifact,
     EvalSuite,
     Evaluation,
@@ -138,7 +139,7 @@ def version_register(
     return version
 
 
-def _locked(version: ModelVersion, expected: set[str]) -> ModelVersion:
+def _locked(version: ModelVersion, expected: Collection[str]) -> ModelVersion:
     """The version under a row lock, or Conflict unless its status is one of `expected`."""
     locked = ModelVersion.objects.select_for_update().select_related("model").get(pk=version.pk)
     if locked.status not in expected:
@@ -154,7 +155,7 @@ def _transition(
     *,
     actor: Any,
     version: ModelVersion,
-    expected: set[str],
+    expected: Collection[str],
     new_status: str,
     action: str,
     reason: str = "",
@@ -247,7 +248,7 @@ def version_deprecate(*, actor: Any, version: ModelVersion, reason: str = "") ->
     return _transition(
         actor=actor,
         version=version,
-        expected={VersionStatus.VERIFIED, VersionStatus.EVALUATED, VersionStatus.APPROVED},
+        expected=DEPLOYABLE_STATUSES,
         new_status=VersionStatus.DEPRECATED,
         action="version.deprecate",
         reason=reason,
@@ -416,8 +417,7 @@ def evaluation_record(
             raise DomainError(
                 "invalid_metrics", f"{name} must be a number.", fields={"metrics": {name: [value]}}
             )
-    evaluable = {VersionStatus.VERIFIED, VersionStatus.EVALUATED, VersionStatus.APPROVED}
-    locked = _locked(version, evaluable)
+    locked = _locked(version, DEPLOYABLE_STATUSES)
     if baseline_version is not None and baseline_version.pk == locked.pk:
         raise DomainError("invalid_baseline", "A version is not its own baseline.")
     passed = evaluation_passes(suite=suite, metrics=metrics)

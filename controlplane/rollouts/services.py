@@ -26,7 +26,12 @@ from contracts.routing import DEPLOYMENT_PATTERN
 from controlplane.audit.services import audit_event_record
 from controlplane.core.errors import Conflict, DomainError, NotFound
 from controlplane.core.events import ROLLOUTS_LIVE_GROUP
-from controlplane.registry.models import EvalSuite, Evaluation, ModelVersion, VersionStatus
+from controlplane.registry.models import (
+    DEPLOYABLE_STATUSES,
+    EvalSuite,
+    Evaluation,
+    ModelVersion,
+)
 from controlplane.rollouts import analysis
 from controlplane.rollouts.models import (
     ACTIVE_STATES,
@@ -47,10 +52,6 @@ DEFAULT_STAGES: tuple[dict[str, Any], ...] = (
     {"weight": 25, "min_duration_s": 60, "min_requests": 100, "tenants": []},
     {"weight": 50, "min_duration_s": 60, "min_requests": 100, "tenants": []},
     {"weight": 100, "min_duration_s": 60, "min_requests": 100, "tenants": []},
-)
-
-DEPLOYABLE_STATUSES = frozenset(
-    {VersionStatus.VERIFIED, VersionStatus.EVALUATED, VersionStatus.APPROVED}
 )
 
 # Test-only fault injection: a worker started with this variable sleeps inside the
