@@ -393,11 +393,12 @@ def profile_ingest(
 ) -> tuple[list[tuple[str, float]], pstats.Stats]:
     """Drain a backlog with the ingest handlers in this process under cProfile."""
     from contracts.streams import INGEST_GROUP
-    from controlplane.core.streams import StreamIngestor, ingest_client
+    from controlplane.core.redis_clients import stream_reader
+    from controlplane.core.streams import StreamIngestor
     from controlplane.fleet.ingest import ingest_ticker, stream_handlers
 
     publish_backlog(redis_url, names, count, first_seq=2_000_000)
-    client = ingest_client(redis_url)
+    client = stream_reader(redis_url)
     ingestor = StreamIngestor(
         client=client,
         group=INGEST_GROUP,

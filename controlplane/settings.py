@@ -112,6 +112,11 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+# Timeouts of the control plane's Redis clients (core/redis_clients.py), in seconds.
+REDIS_SOCKET_TIMEOUT_S = float(os.environ.get("REDIS_SOCKET_TIMEOUT_S", "5"))
+REDIS_CONNECT_TIMEOUT_S = float(os.environ.get("REDIS_CONNECT_TIMEOUT_S", "2"))
+REDIS_STREAM_TIMEOUT_S = float(os.environ.get("REDIS_STREAM_TIMEOUT_S", "10"))
+GATEWAY_REDIS_TIMEOUT_S = float(os.environ.get("GATEWAY_REDIS_TIMEOUT_S", "2"))
 
 CHANNEL_LAYERS = {
     "default": {

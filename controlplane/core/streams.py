@@ -57,19 +57,6 @@ CLAIMED_TOTAL = Counter(
 BATCH_SECONDS = Histogram("ingest_batch_seconds", "Time to apply one batch of entries", ["stream"])
 
 
-def ingest_client(url: str) -> redis.Redis:
-    """A Redis client as ingest reads with: replies decoded by the reader (hiredis, in C),
-    bytes that are not UTF-8 replaced by U+FFFD so that such an entry is refused as
-    malformed rather than failing every read of its batch, and timeouts."""
-    return redis.Redis.from_url(
-        url,
-        socket_timeout=10,
-        socket_connect_timeout=5,
-        decode_responses=True,
-        encoding_errors="replace",
-    )
-
-
 class MalformedEntry(ValueError):
     """The entry cannot be understood; it is counted and dropped."""
 

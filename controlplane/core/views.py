@@ -3,11 +3,12 @@
 import logging
 
 import redis
-from django.conf import settings
 from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from controlplane.core.redis_clients import redis_client
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ def _check_database() -> str | None:
 
 
 def _check_redis() -> str | None:
-    client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=1, socket_connect_timeout=1)
+    client = redis_client(timeout_s=1)  # a probe answers fast or says why
     try:
         client.ping()
     except redis.RedisError as exc:

@@ -35,6 +35,7 @@ from controlplane.accounts import access
 from controlplane.audit.services import audit_event_record
 from controlplane.core.errors import Conflict, DomainError, Forbidden, NotFound
 from controlplane.core.events import BROADCAST_GROUP
+from controlplane.core.redis_clients import redis_client as make_redis_client
 from controlplane.fleet.models import (
     FINAL_COMMAND_STATUSES,
     ROLLUP_SECONDS,
@@ -209,9 +210,7 @@ def agent_command_send(
         raise Forbidden("Only release managers and on-call engineers command agents.")
     if kind not in CommandKind.values:
         raise DomainError("invalid", f"Unknown command {kind!r}.", fields={"kind": [kind]})
-    client = redis_client or redis.Redis.from_url(
-        settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=2
-    )
+    client = redis_client or make_redis_client()
     version: ModelVersion | None = None
     payload: dict[str, Any] = {}
     if kind == CommandKind.LOAD:

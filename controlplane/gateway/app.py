@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 from django.conf import settings
 from prometheus_client import Counter
 
@@ -39,6 +38,7 @@ from contracts.routing import (
     VersionRoute,
     error_code_of,
 )
+from controlplane.core.redis_clients import async_pubsub_client, async_redis_client, redis_client
 from controlplane.gateway.auth_throttle import AuthFailures
 from controlplane.gateway.caches import KeyCache, RoutingCache, choose_endpoint, choose_version
 from controlplane.gateway.metering import (
@@ -49,7 +49,6 @@ from controlplane.gateway.metering import (
 )
 from controlplane.gateway.ratelimit import Admission, Headroom, token_reservation
 from controlplane.gateway.recorder import KeyUses, RedisBatcher, keys_touch
-from controlplane.gateway.redis_client import redis_from_url
 from controlplane.gateway.selectors import KeyGrant
 from controlplane.gateway.services import INVALIDATE_CHANNEL
 from controlplane.gateway.spool import Spool
@@ -198,15 +197,9 @@ class Gateway:
         async with self._start_lock:
             if self.is_started:
                 return
-            self.redis = redis_from_url(
-                settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=1
-            )
-            self.pubsub_redis = aioredis.Redis.from_url(
-                settings.REDIS_URL, socket_connect_timeout=1, health_check_interval=15
-            )
-            self.sync_redis = redis.Redis.from_url(
-                settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=2
-            )
+            self.redis = async_redis_client()
+            self.pubsub_redis = async_pubsub_client()
+            self.sync_redis = redis_client()  # the spool's replay, in a worker thread
             self.upstream = UpstreamPool(
                 connect_timeout_s=settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT_S,
                 read_timeout_s=settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S,

@@ -9,7 +9,6 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import redis
-from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 
 from contracts.routing import (
@@ -24,6 +23,7 @@ from contracts.routing import (
     routing_table_build,
 )
 from controlplane.core.errors import DomainError
+from controlplane.core.redis_clients import redis_client
 from controlplane.gateway.models import EnergyAllocation, PromptRecord, RequestSample
 from controlplane.registry.models import ModelVersion
 from controlplane.tenants.models import Tenant, UsageRecord
@@ -33,10 +33,6 @@ logger = logging.getLogger(__name__)
 INVALIDATE_CHANNEL = "gateway:invalidate"
 
 K = TypeVar("K", bound=Hashable)
-
-
-def _redis() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
 
 
 def routing_table_publish(
@@ -67,7 +63,7 @@ def routing_table_publish(
         )
         for item in versions
     ]
-    client = client or _redis()
+    client = client or redis_client()
     try:
         table = routing_table_build(
             deployment=deployment,
@@ -103,7 +99,7 @@ def gateway_cache_invalidate(
 
     Call after commit when a key is revoked or a tenant's limits, models or policy change.
     """
-    client = client or _redis()
+    client = client or redis_client()
     client.publish(INVALIDATE_CHANNEL, "all" if tenant_id is None else f"tenant:{tenant_id}")
 
 

@@ -22,6 +22,7 @@ from django.utils import timezone
 from contracts.routing import (
     VersionRoute,
 )
+from controlplane.core.redis_clients import redis_client
 from controlplane.fleet.models import Agent, AgentCommand, AgentState, CommandKind, CommandStatus
 from controlplane.gateway.services import routing_table_publish
 from controlplane.registry.models import ModelVersion
@@ -44,12 +45,6 @@ class ReconcileReport:
     drains: list[str] = field(default_factory=list)
     rolled_back: bool = False
     skipped: str = ""
-
-
-def redis_client() -> redis.Redis:
-    return redis.Redis.from_url(
-        settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=2, decode_responses=True
-    )
 
 
 def _is_ready(agent: Agent, version_id: int, fresh_after: Any) -> bool:
@@ -85,7 +80,7 @@ def reconcile_deployment(
     *, deployment_id: int, client: redis.Redis | None = None
 ) -> ReconcileReport:
     own_client = client is None
-    client = client or redis_client()
+    client = client or redis_client(decode_responses=True)
     try:
         deployment = Deployment.objects.filter(pk=deployment_id).first()
         if deployment is None:

@@ -18,6 +18,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from controlplane.core.errors import NotFound
+from controlplane.core.redis_clients import redis_client
 from controlplane.rollouts import reconciler, services, webhooks
 from controlplane.rollouts.models import Deployment, Rollout, RolloutState
 
@@ -60,7 +61,7 @@ def rollout_gate(rollout_id: int) -> None:
     rollout = services.rollout_gate_check(rollout_id=rollout_id)
     if rollout.state != RolloutState.GATING:
         return
-    client = reconciler.redis_client()
+    client = redis_client(decode_responses=True)
     try:
         for suite_id in services.evaluations_due(rollout_id=rollout_id):
             key = f"rollouts:evaluating:{rollout_id}:{suite_id}"
@@ -76,7 +77,7 @@ def rollout_evaluate(rollout_id: int, suite_id: int) -> None:
     try:
         services.evaluation_run(rollout_id=rollout_id, suite_id=suite_id)
     finally:
-        client = reconciler.redis_client()
+        client = redis_client(decode_responses=True)
         try:
             client.delete(f"rollouts:evaluating:{rollout_id}:{suite_id}")
         finally:

@@ -6,7 +6,6 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 from prometheus_client import REGISTRY
@@ -20,7 +19,8 @@ from contracts.streams import (
     CommandStatus,
 )
 from controlplane.audit.models import AuditEvent
-from controlplane.core.streams import StreamIngestor, ingest_client
+from controlplane.core.redis_clients import stream_reader
+from controlplane.core.streams import StreamIngestor
 from controlplane.fleet import selectors, services
 from controlplane.fleet.ingest import FleetTicker, LiveFleet, stream_handlers
 from controlplane.fleet.models import Agent, AgentCommand, AgentSample
@@ -518,7 +518,7 @@ def test_a_batch_writes_each_agent_once_and_each_rollup_once(users) -> None:
 
 def test_entries_the_database_would_refuse_are_dropped_as_malformed(redis_client, users) -> None:
     register(actor=users["agent"])
-    ingestor = make_ingestor(ingest_client(settings.REDIS_URL))
+    ingestor = make_ingestor(stream_reader())
     before = metric("ingest_malformed_entries_total", stream=HEARTBEATS_STREAM)
     good = heartbeat(seq=7).to_fields()
     figures = json.loads(good["figures"])

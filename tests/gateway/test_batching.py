@@ -8,9 +8,9 @@ import redis
 from django.conf import settings
 
 from contracts.routing import REQUESTS_STREAM
+from controlplane.core.redis_clients import async_redis_client
 from controlplane.gateway.ratelimit import Admission
 from controlplane.gateway.recorder import RedisBatcher
-from controlplane.gateway.redis_client import redis_from_url
 from controlplane.gateway.spool import Spool
 from tests.gateway.conftest import free_port, wait_for_fresh_window
 
@@ -59,7 +59,7 @@ def test_entries_of_many_concurrent_requests_arrive_exactly_once(redis_client, t
     wait_for_fresh_window(redis_client, needed_s=5)
 
     async def scenario() -> list[Admission | Exception]:
-        client = redis_from_url(settings.REDIS_URL)
+        client = async_redis_client(settings.REDIS_URL)
         try:
             await client.script_flush()  # the batcher loads its scripts when Redis lacks them
             batcher = RedisBatcher(client, spool)
@@ -88,7 +88,7 @@ def test_a_batch_redis_refuses_spools_every_entry_and_still_admits(redis_client,
     spool = Spool(tmp_path / "spool", max_bytes=1 << 20)
 
     async def scenario() -> list[Admission | Exception]:
-        client = redis_from_url(settings.REDIS_URL)
+        client = async_redis_client(settings.REDIS_URL)
         try:
             return await serve_requests(RedisBatcher(client, spool), 40, requests_per_minute=1_000)
         finally:
@@ -104,7 +104,7 @@ def test_a_batch_that_cannot_reach_redis_spools_every_entry(tmp_path) -> None:
     spool = Spool(tmp_path / "spool", max_bytes=1 << 20)
 
     async def scenario() -> list[Admission | Exception]:
-        client = redis_from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=1)
+        client = async_redis_client(f"redis://127.0.0.1:{free_port()}/0")
         try:
             return await serve_requests(RedisBatcher(client, spool), 40, requests_per_minute=1)
         finally:
@@ -121,7 +121,7 @@ def test_closing_writes_what_is_queued(redis_client, tmp_path, gather_s) -> None
     spool = Spool(tmp_path / "spool", max_bytes=1 << 20)
 
     async def scenario() -> None:
-        client = redis_from_url(settings.REDIS_URL)
+        client = async_redis_client(settings.REDIS_URL)
         try:
             batcher = RedisBatcher(client, spool, gather_s=gather_s)
             runner = asyncio.create_task(batcher.run())
@@ -146,7 +146,7 @@ def test_an_admission_counts_every_settlement_queued_before_it(redis_client, tmp
     wait_for_fresh_window(redis_client, needed_s=5)
 
     async def scenario() -> list[Admission]:
-        client = redis_from_url(settings.REDIS_URL)
+        client = async_redis_client(settings.REDIS_URL)
         batcher = RedisBatcher(client, spool)
         runner = asyncio.create_task(batcher.run())
         admissions = []

@@ -15,10 +15,10 @@ import time
 from typing import Any
 
 import redis
-from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from contracts.routing import routing_key
+from controlplane.core.redis_clients import redis_client
 from controlplane.registry.models import ModelVersion
 from controlplane.rollouts import services as rollout_services
 from controlplane.rollouts.models import Deployment, Rollout
@@ -63,7 +63,7 @@ class Command(BaseCommand):
         ).first()
         if candidate is None:
             raise CommandError(f"No version labelled {options['candidate_label']!r}.")
-        client = redis.Redis.from_url(settings.REDIS_URL, decode_responses=True)
+        client = redis_client(decode_responses=True)
 
         self._say(f"waiting for {deployment.name}'s stable version to be served")
         while not self._stable_served(client, deployment.name):

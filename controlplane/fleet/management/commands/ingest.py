@@ -11,10 +11,10 @@ import socket
 import threading
 from typing import Any
 
-from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from controlplane.core.streams import StreamIngestor, ingest_client
+from controlplane.core.redis_clients import stream_reader
+from controlplane.core.streams import StreamIngestor
 from controlplane.fleet.ingest import ingest_ticker, stream_handlers
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class Command(BaseCommand):
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
         handlers = stream_handlers()
-        client = ingest_client(settings.REDIS_URL)
+        client = stream_reader()
         ingestor = StreamIngestor(
             client=client,
             group=options["group"],
