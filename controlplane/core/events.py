@@ -1,10 +1,15 @@
 """Live events for the dashboard, sent through the Channels layer (Redis).
 
-Domain code calls `publish_event` after its transaction commits; every websocket
-consumer subscribed to the group forwards the event to its browser.
+The one way to send them: `publish_events` (many events to some groups, in one event
+loop entry: ingest sends many), `publish_event` for one, and `publish_event_after_commit`
+from inside a transaction. Every websocket consumer subscribed to a group forwards the
+event to its browser. Best effort: the dashboard re-renders from the database on each
+event (and polls), so a lost event delays a view and loses nothing; a failure is logged,
+never raised.
 """
 
 import logging
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from asgiref.sync import async_to_sync
@@ -23,26 +28,34 @@ def tenant_live_group(tenant_id: int) -> str:
     return f"live.tenant.{tenant_id}"
 
 
-def publish_event(group: str, event: str, payload: dict[str, Any]) -> None:
+def publish_events(groups: Iterable[str], events: Sequence[tuple[str, dict[str, Any]]]) -> None:
+    """Send each (event, payload) to each group."""
+    groups = list(groups)
+    if not events or not groups:
+        return
     layer = get_channel_layer()
     if layer is None:
         return
-    async_to_sync(layer.group_send)(
-        group, {"type": "live.event", "event": event, "payload": payload}
-    )
+
+    async def send_all() -> None:
+        for event, payload in events:
+            message = {"type": "live.event", "event": event, "payload": payload}
+            for group in groups:
+                await layer.group_send(group, message)
+
+    try:
+        async_to_sync(send_all)()
+    except Exception as exc:
+        logger.warning(
+            "live events not published",
+            extra={"groups": groups, "count": len(events), "error": str(exc)},
+        )
+
+
+def publish_event(group: str, event: str, payload: dict[str, Any]) -> None:
+    publish_events([group], [(event, payload)])
 
 
 def publish_event_after_commit(group: str, event: str, payload: dict[str, Any]) -> None:
-    """Publish once the current transaction commits; a lost live event is only logged.
-
-    The dashboard re-renders from the database on each event, so a dropped event
-    delays a view and loses nothing.
-    """
-
-    def send() -> None:
-        try:
-            publish_event(group, event, payload)
-        except Exception:
-            logger.warning("live event not published", extra={"group": group, "event": event})
-
-    transaction.on_commit(send)
+    """Publish once the current transaction commits (nothing if it rolls back)."""
+    transaction.on_commit(lambda: publish_event(group, event, payload))

@@ -16,8 +16,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import redis
-from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
@@ -34,7 +32,7 @@ from contracts.streams import CommandKind as WireCommandKind
 from controlplane.accounts import access
 from controlplane.audit.services import audit_event_record
 from controlplane.core.errors import Conflict, DomainError, Forbidden, NotFound
-from controlplane.core.events import BROADCAST_GROUP
+from controlplane.core.events import BROADCAST_GROUP, publish_events
 from controlplane.core.redis_clients import redis_client as make_redis_client
 from controlplane.fleet.models import (
     FINAL_COMMAND_STATUSES,
@@ -59,27 +57,8 @@ def fleet_event_publish(event: str, payload: dict[str, Any]) -> None:
 
 
 def fleet_events_publish(events: Sequence[tuple[str, dict[str, Any]]]) -> None:
-    """Send live events in one go (one event loop for all of them: ingest sends many).
-
-    The message shape is controlplane.core.events.publish_event's.
-    """
-    if not events:
-        return
-    layer = get_channel_layer()
-    if layer is None:
-        return
-    groups = [settings.FLEET_LIVE_GROUP, BROADCAST_GROUP]
-
-    async def send_all() -> None:
-        for event, payload in events:
-            message = {"type": "live.event", "event": event, "payload": payload}
-            for group in groups:
-                await layer.group_send(group, message)
-
-    try:
-        async_to_sync(send_all)()
-    except Exception as exc:  # a live view is best effort; the database is the record
-        logger.warning("could not publish %d live events: %s", len(events), exc)
+    """Send live events to the dashboard's fleet group (and the broadcast group)."""
+    publish_events([settings.FLEET_LIVE_GROUP, BROADCAST_GROUP], events)
 
 
 def _user_or_none(actor: Any) -> Any:

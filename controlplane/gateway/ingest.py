@@ -32,7 +32,4 @@ class RequestsStreamHandler:
         for version_id in sorted({item.version_id for item in items}):
             rollout_check_hard_breach(version_id=version_id)
         for tenant_id in sorted({item.tenant_id for item in items}):
-            try:
-                publish_event(tenant_live_group(tenant_id), "usage.updated", {"tenant": tenant_id})
-            except Exception:
-                logger.warning("usage event not published", extra={"tenant": tenant_id})
+            publish_event(tenant_live_group(tenant_id), "usage.updated", {"tenant": tenant_id})

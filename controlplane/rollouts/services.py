@@ -25,7 +25,7 @@ from django.utils import timezone
 from contracts.routing import DEPLOYMENT_PATTERN
 from controlplane.audit.services import audit_event_record
 from controlplane.core.errors import Conflict, DomainError, NotFound
-from controlplane.core.events import ROLLOUTS_LIVE_GROUP
+from controlplane.core.events import ROLLOUTS_LIVE_GROUP, publish_event_after_commit
 from controlplane.registry.models import (
     DEPLOYABLE_STATUSES,
     EvalSuite,
@@ -942,22 +942,11 @@ def _emit(
 
         for delivery in deliveries:
             webhook_deliver.delay_on_commit(delivery.pk)
-    transaction.on_commit(lambda: _publish(event, payload))
+    publish_event_after_commit(LIVE_GROUP, event, payload)
 
 
 def _publish_after_commit(rollout: Rollout, event: str, extra: dict[str, Any]) -> None:
-    payload = rollout_event_payload(rollout, event, **extra)
-    transaction.on_commit(lambda: _publish(event, payload))
-
-
-def _publish(event: str, payload: dict[str, Any]) -> None:
-    """Best effort: the dashboard also polls, so a lost live event only delays a view."""
-    from controlplane.core.events import publish_event
-
-    try:
-        publish_event(LIVE_GROUP, event, payload)
-    except Exception:
-        logger.warning("live event not published", extra={"event": event}, exc_info=True)
+    publish_event_after_commit(LIVE_GROUP, event, rollout_event_payload(rollout, event, **extra))
 
 
 def _after_commit_reconcile(deployment_id: int) -> None:
