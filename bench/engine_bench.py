@@ -239,7 +239,7 @@ def reference_model(model: str, dtype: torch.dtype) -> Any:
     checkpoint = load_checkpoint(resolve_model_path(model))
     c = checkpoint.config
     reference = LlamaForCausalLM(
-        LlamaConfig(
+        LlamaConfig(  # type: ignore[call-arg]
             vocab_size=c.vocab_size, hidden_size=c.hidden_size,
             intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
             num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
@@ -249,7 +249,7 @@ def reference_model(model: str, dtype: torch.dtype) -> Any:
     )  # fmt: skip
     reference.load_state_dict(checkpoint.weights, strict=False)
     reference.tie_weights()
-    return reference.to(device=DEVICE, dtype=dtype).eval()
+    return reference.to(device=DEVICE, dtype=dtype).eval()  # type: ignore[call-arg]
 
 
 @dataclass(slots=True)

@@ -229,7 +229,11 @@ def _gateway_samples(request_ids: list[str], wait_s: float) -> list[dict[str, An
             )
         )
         if len(rows) >= len(request_ids) or time.monotonic() > deadline:
-            return [row | {"version": row.pop("version__label")} for row in rows]
+            return [
+                {**{k: v for k, v in row.items() if k != "version__label"},
+                 "version": row["version__label"]}
+                for row in rows
+            ]  # fmt: skip
         time.sleep(1.0)
 
 

@@ -186,8 +186,8 @@ async def measure_single(
         ttfts = {}
         for name in _order(index):
             result = await client.stream(urls[name], max_tokens)
-            if result.error:
-                samples[name].add_error(result.error)
+            if result.error or result.ttft is None:
+                samples[name].add_error(result.error or "no content")
             else:
                 samples[name].ttfts.append(result.ttft)
                 samples[name].rounds.append(index)
@@ -244,8 +244,8 @@ async def _round(
         await asyncio.sleep(index * stagger_s)
         for _ in range(requests_each):
             result = await client.stream(url, max_tokens)
-            if result.error:
-                into.add_error(result.error)
+            if result.error or result.ttft is None:
+                into.add_error(result.error or "no content")
                 continue
             into.ttfts.append(result.ttft)
             into.rounds.append(round_index)
@@ -315,9 +315,9 @@ async def measure_twins(
                 client.stream(urls["gateway"], max_tokens),
                 client.stream(urls["direct"], max_tokens),
             )
-            if all(not result.error for result in results):
+            if all(not result.error and result.ttft is not None for result in results):
                 for name, result in zip(("gateway", "direct"), results, strict=True):
-                    samples[name].ttfts.append(result.ttft)
+                    samples[name].ttfts.append(result.ttft)  # type: ignore[arg-type]
                     samples[name].rounds.append(unit)
 
     await asyncio.gather(*(worker(index) for index in range(CONCURRENCY)))

@@ -188,7 +188,7 @@ def publisher(redis_url: str, names: list[str], rate: float, stop_at: float, cou
                 index = next_index
                 next_index = (next_index + 1) % len(names)
                 seqs[index] += 1
-                entry = heartbeat_entry(template, names[index], seqs[index], now)
+                entry: dict[Any, Any] = heartbeat_entry(template, names[index], seqs[index], now)
                 pipe.xadd(HEARTBEATS_STREAM, entry, maxlen=HEARTBEATS_MAXLEN, approximate=True)
             pipe.execute()
             sent += due
@@ -321,7 +321,7 @@ def publish_backlog(redis_url: str, names: list[str], count: int, first_seq: int
     pipe = client.pipeline(transaction=False)
     for i in range(count):
         seq = first_seq + i // len(names)
-        entry = heartbeat_entry(template, names[i % len(names)], seq, time.time())
+        entry: dict[Any, Any] = heartbeat_entry(template, names[i % len(names)], seq, time.time())
         pipe.xadd(HEARTBEATS_STREAM, entry, maxlen=max(HEARTBEATS_MAXLEN, count), approximate=True)
         if i % 1000 == 999:
             pipe.execute()

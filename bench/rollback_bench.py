@@ -221,11 +221,11 @@ def measure(tmp: Path, drills: int, manual: int, ready_timeout: float) -> dict[s
             answered = RequestSample.objects.filter(
                 version=candidate, is_error=False, finished_at__gte=stage_start
             )
-            _wait(
-                lambda answered=answered: answered.count() >= 2,
-                60,
-                "two canary answers",
-            )  # fmt: skip
+
+            def two_answers(answered: Any = answered) -> bool:
+                return answered.count() >= 2
+
+            _wait(two_answers, 60, "two canary answers")
             agent = Agent.objects.get(loaded_version=candidate, state="ready")
             onset = time.monotonic()
             fleet_services.agent_command_send(

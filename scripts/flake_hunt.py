@@ -47,8 +47,8 @@ def parse_junit(path: Path) -> dict[str, tuple[str, str, float]]:
         for child in case:
             if child.tag in ("failure", "error"):
                 outcome = "failed"
-                message = (child.get("message") or child.text or "").strip().splitlines()
-                message = message[0][:200] if message else child.tag
+                lines = (child.get("message") or child.text or "").strip().splitlines()
+                message = lines[0][:200] if lines else child.tag
                 break
             if child.tag == "skipped":
                 outcome = "skipped"

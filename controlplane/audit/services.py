@@ -26,7 +26,7 @@ def audit_event_record(
     is_user = actor is not None and getattr(actor, "is_authenticated", False)
     event = AuditEvent.objects.create(
         actor=actor if is_user else None,
-        actor_name=actor.get_username() if is_user else SYSTEM_ACTOR,
+        actor_name=actor.get_username() if is_user and actor is not None else SYSTEM_ACTOR,
         action=action,
         object_type=object_type,
         object_id=str(object_id),

@@ -1,6 +1,7 @@
 """Query-string filters shared by the API's list views."""
 
 from datetime import UTC, datetime
+from typing import Any
 
 import django_filters
 from django import forms
@@ -16,7 +17,7 @@ class UtcIsoDateTimeField(forms.DateTimeField):
     def strptime(self, value: str, format: str) -> datetime:
         return django_filters.fields.IsoDateTimeField().strptime(value, format)
 
-    def to_python(self, value: object) -> datetime | None:
+    def to_python(self, value: Any) -> datetime | None:
         parsed = super().to_python(value)
         if parsed is None:
             return None

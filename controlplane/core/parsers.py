@@ -8,7 +8,7 @@ class JSONParser(RestFrameworkJSONParser):
     """DRF's, except that JSON nested past Python's recursion limit (`[[[[...`, a few
     bytes a level) is a 400 like any other malformed body, not a 500."""
 
-    def parse(self, stream, media_type=None, parser_context=None):  # type: ignore[no-untyped-def]
+    def parse(self, stream, media_type=None, parser_context=None):
         try:
             return super().parse(stream, media_type, parser_context)
         except RecursionError as exc:

@@ -32,10 +32,10 @@ class HiredisPackingConnection(aioredis.Connection):
     request's bookkeeping. The sync client already packs with hiredis; this does the same
     for plain `redis://` URLs (TLS and Unix sockets keep redis-py's own classes)."""
 
-    def pack_command(self, *args):  # type: ignore[no-untyped-def]
+    def pack_command(self, *args):
         return _SERIALIZER.pack(*args)
 
-    def pack_commands(self, commands):  # type: ignore[no-untyped-def]
+    def pack_commands(self, commands):
         return [b"".join(_SERIALIZER.pack(*command)[0] for command in commands)]
 
 

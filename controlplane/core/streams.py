@@ -201,8 +201,12 @@ class StreamIngestor:
             for stream in self.handlers
         }
         block = None if any(v == "0" for v in streams.values()) else self.block_ms
-        response = self.client.xreadgroup(
-            self.group, self.consumer, streams, count=self.batch_size, block=block
+        response: Any = self.client.xreadgroup(
+            self.group,
+            self.consumer,
+            streams,  # type: ignore[arg-type]
+            count=self.batch_size,
+            block=block,
         )
         returned = {_text(raw_stream): entries for raw_stream, entries in response or []}
         self.is_caught_up = all(

@@ -302,7 +302,7 @@ class Gateway:
     def _write_entries(self, entries: list[dict[str, str]]) -> None:
         pipe = self.sync_redis.pipeline(transaction=False)
         for fields in entries:
-            pipe.xadd(REQUESTS_STREAM, fields, maxlen=REQUESTS_MAXLEN, approximate=True)
+            pipe.xadd(REQUESTS_STREAM, fields, maxlen=REQUESTS_MAXLEN, approximate=True)  # type: ignore[arg-type]
         pipe.execute()
 
     async def _replay_spool_periodically(self) -> None:

@@ -241,7 +241,7 @@ class KeyUses:
         return pending
 
 
-def keys_touch(used: dict[int, float], touch: Callable[..., None]) -> None:
+def keys_touch(used: dict[int, float], touch: Callable[..., object]) -> None:
     """Write last-used times (in a worker thread): `touch(key_id=..., used_at=...)` each."""
     close_old_connections()
     try:

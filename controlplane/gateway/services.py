@@ -415,7 +415,7 @@ def energy_attribute_fleet_samples(*, now: datetime | None = None, limit: int = 
             and sample.energy_joules_min >= prior.energy_joules_max
             and (sample.first_sent_at - prior.last_sent_at).total_seconds() <= ENERGY_MAX_GAP_S
         )
-        if is_continuous:
+        if is_continuous and prior is not None:
             start, energy = prior.last_sent_at, sample.energy_joules_max - prior.energy_joules_max
         else:
             start, energy = (

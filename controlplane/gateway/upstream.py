@@ -65,7 +65,7 @@ class _Connection(asyncio.Protocol):
         self.deadline = 0.0
         self.timer: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport) -> None:
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:

@@ -135,7 +135,7 @@ class ModelVersion(models.Model):
 
     @property
     def artifact_digest(self) -> str:
-        return self.artifact_id  # type: ignore[return-value]
+        return self.artifact_id
 
     def snapshot(self) -> dict[str, Any]:
         """The fields an audit event records before and after a change."""
@@ -144,7 +144,7 @@ class ModelVersion(models.Model):
             "label": self.label,
             "artifact_digest": self.artifact_id,
             "serving_config": self.serving_config,
-            "signing_key": self.signing_key.key_id if self.signing_key_id else None,
+            "signing_key": self.signing_key.key_id if self.signing_key is not None else None,
             "is_verification_override": self.is_verification_override,
         }
 

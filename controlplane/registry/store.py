@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 from django.conf import settings
 from rest_framework import status
@@ -84,7 +84,7 @@ def sniff_refuse_early(head: bytes) -> None:
         raise _unsafe_format("pickle")
 
 
-def detect_format(file: BinaryIO, size: int) -> str:
+def detect_format(file: IO[bytes], size: int) -> str:
     """The format of a complete file, from its header; ArtifactRefused if not an accepted one."""
     file.seek(0)
     head = file.read(SNIFF_BYTES)

@@ -259,8 +259,14 @@ def analyze(
         )
 
     # Energy per token against the baseline, at comparable loads.
-    loads = (canary.tokens_per_agent_s, baseline.tokens_per_agent_s)
-    load_ratio = min(loads) / max(loads) if None not in loads and max(loads) > 0 else None
+    canary_load, baseline_load = canary.tokens_per_agent_s, baseline.tokens_per_agent_s
+    load_ratio = None
+    if (
+        canary_load is not None
+        and baseline_load is not None
+        and max(canary_load, baseline_load) > 0
+    ):
+        load_ratio = min(canary_load, baseline_load) / max(canary_load, baseline_load)
     if canary.joules_per_token is None or baseline.joules_per_token is None:
         result.reasons.append("energy per token: no figures for one side; not compared")
     elif load_ratio is not None and load_ratio < policy.energy_load_ratio:

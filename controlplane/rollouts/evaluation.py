@@ -219,9 +219,9 @@ def latency(
     ttfts = [ttft * 1000 for ttft, _ in results]
     gaps = [gap * 1000 for _, request_gaps in results for gap in request_gaps]
     return {
-        "ttft_p95_ms": percentile(ttfts, 95),
-        "ttft_p50_ms": percentile(ttfts, 50),
-        "itl_p95_ms": percentile(gaps, 95) if gaps else 0.0,
+        "ttft_p95_ms": percentile(ttfts, 95) or 0.0,
+        "ttft_p50_ms": percentile(ttfts, 50) or 0.0,
+        "itl_p95_ms": percentile(gaps, 95) or 0.0,
         "requests": float(len(results)),
         "concurrency": float(concurrency),
     }

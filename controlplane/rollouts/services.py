@@ -15,7 +15,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -68,7 +68,7 @@ def stages_validate(stages: Sequence[dict[str, Any]] | None) -> list[dict[str, A
         return [dict(stage) for stage in DEFAULT_STAGES]
     if not isinstance(stages, list | tuple) or not stages:
         raise DomainError("invalid_stages", "A stage plan is a non-empty list of stages.")
-    normalized = []
+    normalized: list[dict[str, Any]] = []
     known = {"weight", "min_duration_s", "min_requests", "tenants"}
     for index, stage in enumerate(stages):
 
@@ -110,10 +110,12 @@ def stages_validate(stages: Sequence[dict[str, Any]] | None) -> list[dict[str, A
     if named:
         from controlplane.tenants.models import Tenant
 
-        unknown = named - set(Tenant.objects.filter(slug__in=named).values_list("slug", flat=True))
-        if unknown:
+        unknown_slugs = named - set(
+            Tenant.objects.filter(slug__in=named).values_list("slug", flat=True)
+        )
+        if unknown_slugs:
             raise DomainError(
-                "invalid_stages", f"Unknown tenants in stages: {', '.join(sorted(unknown))}."
+                "invalid_stages", f"Unknown tenants in stages: {', '.join(sorted(unknown_slugs))}."
             )
     return normalized
 
@@ -302,7 +304,7 @@ def _check(
     rollout: Rollout,
     *,
     action: str,
-    allowed: set[str] | frozenset[str],
+    allowed: Collection[str],
     expected_state: str | None,
     expected_stage: int | None,
     expected_revision: int | None,
@@ -778,15 +780,40 @@ def rollout_analyze(*, rollout_id: int, window_end: datetime) -> AnalysisRun | N
     )
     summary = f"analysis {run.pk}: {result.verdict.value}: {'; '.join(result.reasons)}"
     extra = {"analysis_run_id": run.pk, "verdict": result.verdict.value}
-    expected = {"expected_state": RolloutState.RUNNING, "expected_revision": rollout.revision}
+    state, revision = RolloutState.RUNNING, rollout.revision  # as analyzed, or nothing
     if action == analysis.Action.ROLLBACK:
-        rollout_rollback(actor=None, rollout_id=rollout.pk, reason=summary, extra=extra, **expected)
+        rollout_rollback(
+            actor=None,
+            rollout_id=rollout.pk,
+            reason=summary,
+            extra=extra,
+            expected_state=state,
+            expected_revision=revision,
+        )
     elif action == analysis.Action.ADVANCE:
-        rollout_advance(actor=None, rollout_id=rollout.pk, reason=summary, **expected)
+        rollout_advance(
+            actor=None,
+            rollout_id=rollout.pk,
+            reason=summary,
+            expected_state=state,
+            expected_revision=revision,
+        )
     elif action == analysis.Action.FAIL:
-        rollout_fail(actor=None, rollout_id=rollout.pk, reason=summary, **expected)
+        rollout_fail(
+            actor=None,
+            rollout_id=rollout.pk,
+            reason=summary,
+            expected_state=state,
+            expected_revision=revision,
+        )
     elif action == analysis.Action.HOLD:
-        rollout_pause(actor=None, rollout_id=rollout.pk, reason=summary, **expected)
+        rollout_pause(
+            actor=None,
+            rollout_id=rollout.pk,
+            reason=summary,
+            expected_state=state,
+            expected_revision=revision,
+        )
     elif action == analysis.Action.EXTEND:
         _extend(rollout, reason=summary)
     else:
