@@ -239,11 +239,12 @@ def reference_model(model: str, dtype: torch.dtype) -> Any:
     checkpoint = load_checkpoint(resolve_model_path(model))
     c = checkpoint.config
     reference = LlamaForCausalLM(
-        LlamaConfig(  # type: ignore[call-arg]
+        LlamaConfig(
             vocab_size=c.vocab_size, hidden_size=c.hidden_size,
             intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
             num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-            head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+            head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
             max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True,
         )
     )  # fmt: skip

@@ -91,11 +91,19 @@ def committed_db(django_db_setup, django_db_blocker) -> Iterator[None]:
     from django.db import connection
     from django.test.utils import setup_databases, teardown_databases
 
-    if connection.settings_dict["NAME"] == connection.creation._get_test_db_name():
+    # django-stubs omit this private method, which Django's own creation code uses.
+    test_db_name = connection.creation._get_test_db_name()  # type: ignore[attr-defined]
+    if connection.settings_dict["NAME"] == test_db_name:
         yield
         return
     with django_db_blocker.unblock():
-        config = setup_databases(verbosity=0, interactive=False, aliases={"default"})
+        # django-stubs type `aliases` as a Mapping; Django only tests membership in it, and
+        # pytest-django passes a set too.
+        config = setup_databases(
+            verbosity=0,
+            interactive=False,
+            aliases={"default"},  # type: ignore[arg-type]
+        )
     try:
         yield
     finally:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import pytest
@@ -160,7 +160,16 @@ def ingest_args() -> list[str]:
     return [PYTHON, "manage.py", "ingest", "--consumer", "test-ingest"]
 
 
-def agent_args(name: str, port: int, redis_url: str, control_plane: str, fleet: Fleet) -> list[str]:
+class AgentFiles(Protocol):
+    """What `agent_args` reads of a fleet: the agents' token file and their state root."""
+
+    token_file: Path
+    tmp_path: Path
+
+
+def agent_args(
+    name: str, port: int, redis_url: str, control_plane: str, fleet: AgentFiles
+) -> list[str]:
     return [
         PYTHON,
         "-m",
@@ -188,8 +197,14 @@ def agent_args(name: str, port: int, redis_url: str, control_plane: str, fleet: 
     ]
 
 
-def agent_row(name: str) -> Agent | None:
+def find_agent(name: str) -> Agent | None:
     return Agent.objects.filter(name=name).first()
+
+
+def agent_row(name: str) -> Agent:
+    row = find_agent(name)
+    assert row is not None, f"{name} is not registered"
+    return row
 
 
 def command_row(command_id: str) -> AgentCommand:
@@ -226,14 +241,14 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
     # A second artifact (the weights plus padding), signed, then altered in the store.
     padded = tmp_path / "padded.gguf"
     shutil.copyfile(MODEL_FILE, padded)
-    with open(padded, "ab") as handle:
-        handle.write(b"\0" * 64)
+    with open(padded, "ab") as padded_file:
+        padded_file.write(b"\0" * 64)
     candidate = fleet.version("f32-padded", padded)
     stored = store.artifact_path(candidate.artifact_id)
     stored.chmod(0o644)
-    with open(stored, "r+b") as handle:
-        handle.seek(4096)
-        handle.write(b"tampered")
+    with open(stored, "r+b") as stored_file:
+        stored_file.seek(4096)
+        stored_file.write(b"tampered")
 
     port = free_port_pair()
     ingest_log, agent_log = tmp_path / "ingest.log", tmp_path / "agent.log"
@@ -244,7 +259,7 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
     ):
         # It registers with its inventory, and its heartbeats reach the database.
         wait_until(
-            lambda: (row := agent_row("agent-a")) is not None and row.last_seq > 0,
+            lambda: (row := find_agent("agent-a")) is not None and row.last_seq > 0,
             timeout=60,
             message=logs(agent_log, ingest_log),
         )
@@ -397,7 +412,7 @@ def test_redis_restart_does_not_stop_ingest_or_agents(fleet, live_server, tmp_pa
             ),
         ):
             wait_until(
-                lambda: (row := agent_row("agent-r")) is not None and row.last_seq > 0,
+                lambda: (row := find_agent("agent-r")) is not None and row.last_seq > 0,
                 timeout=60,
                 message=logs(agent_log, ingest_log),
             )

@@ -97,10 +97,11 @@ def test_a_drain_may_name_the_version_it_means() -> None:
     assert parse_drain_payload({}).version_id is None
     assert parse_drain_payload({"version_id": None}).version_id is None
     assert parse_drain_payload({"version_id": 7}).version_id == 7
-    for payload, message in [
+    cases: list[tuple[dict[str, object], str]] = [
         ({"version_id": "7"}, r"^payload.version_id: wrong type str"),
         ({"version_id": True}, r"^payload.version_id: wrong type bool"),
         ({"version_id": 0}, r"^payload.version_id: must be >= 1"),
-    ]:
+    ]
+    for payload, message in cases:
         with pytest.raises(ContractError, match=message):
             parse_command(new_command(CommandKind.DRAIN, payload).to_fields())

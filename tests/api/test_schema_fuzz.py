@@ -57,7 +57,7 @@ def wsgi_keeps_the_test_connection() -> Iterator[None]:
 
 @pytest.fixture
 def role_tokens(tenants, wsgi_keeps_the_test_connection) -> dict[str, str]:
-    tokens = {}
+    tokens: dict[str, str] = {}
     for role in ROLES:
         tenant = tenants["acme"] if role == Role.TENANT_MEMBER else None
         user = make_user(f"fuzz-{role}", role, tenant)

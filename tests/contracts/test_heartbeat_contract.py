@@ -50,7 +50,7 @@ FIELD_VALUES = {
     "energy_source": ["nvml", "rapl", "estimate", "guess", ""],
     "detail": ["", "d" * 1000, "d" * 1001, "d\x00"],
 }  # fmt: skip
-JSON_VALUE = st.one_of(
+JSON_VALUE: st.SearchStrategy[object] = st.one_of(
     st.sampled_from(
         [None, True, False, 0, 1, -1, 0.0, -0.0, 0.5, 1.0, 1.5, 2**31, 2**31 - 1, 2**63,
          2**63 - 1, 10**400, float("inf"), float("nan"), 1e308, "1", [], {}]

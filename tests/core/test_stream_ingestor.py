@@ -89,6 +89,7 @@ def test_malformed_entries_are_counted_dropped_and_do_not_stop_the_stream(redis_
     ingestor.run_once()
     after = REGISTRY.get_sample_value("ingest_malformed_entries_total", {"stream": STREAM})
     assert handler.applied == [1, 2]
+    assert after is not None
     assert after - before == 2
     assert pending_count(redis_client) == 0
 
@@ -139,6 +140,7 @@ def test_an_entry_the_parser_fails_on_is_dropped_as_malformed_not_retried(redis_
     ingestor.run_once()
     after = REGISTRY.get_sample_value("ingest_malformed_entries_total", {"stream": STREAM})
     assert handler.applied == [1, 2]
+    assert after is not None
     assert after - before == 1
     assert pending_count(redis_client) == 0
 

@@ -198,7 +198,7 @@ def build_world(*, analysis_runs: int = 6) -> World:
     ]
     _usage(acme, [stable, candidate], scale=3)
     _usage(globex, [stable], scale=1)
-    users = {
+    users: dict[str, Any] = {
         role: user_create(
             actor=None,
             username=role.replace("_", "-"),

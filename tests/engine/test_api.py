@@ -34,6 +34,7 @@ def test_prompt_longer_than_max_model_len_is_400(tiny_server):
     with pytest.raises(openai.BadRequestError) as raised:
         tiny_server.client.completions.create(model="tiny", prompt=[5] * 300, max_tokens=4)
     error = raised.value.body
+    assert isinstance(error, dict)
     assert error["code"] == "context_length_exceeded"
     assert error["param"] == "prompt"
     assert "maximum context length is 256 tokens" in error["message"]
@@ -248,7 +249,9 @@ def test_fault_injection_at_run_time(narrow_server):
                 model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                 stream=True,
             )  # fmt: skip
-        assert raised.value.body["code"] == "injected_fault"
+        error = raised.value.body
+        assert isinstance(error, dict)
+        assert error["code"] == "injected_fault"
         stats = narrow_server.stats()
         assert stats["requests_failed_total"] == failed_before + 1
         assert stats["recent"][-1]["status"] == "error"

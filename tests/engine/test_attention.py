@@ -332,8 +332,7 @@ def compare_steps(
         decided = (top[:, 0] - top[:, 1]) > 2 * difference.max(dim=-1).values
         tokens = logits[1].argmax(dim=-1)
         assert torch.equal(logits[0].argmax(dim=-1)[decided], tokens[decided])
-        tokens = tokens.tolist()
-        for index, token in zip(sampled, tokens, strict=True):
+        for index, token in zip(sampled, tokens.tolist(), strict=True):
             for engine_seqs in seqs:
                 engine_seqs[index].token_ids.append(token)
 

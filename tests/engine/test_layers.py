@@ -134,6 +134,7 @@ def test_logits_on_cuda_keep_the_fp32_accumulation():
     linear = Linear(weight, "bfloat16", torch.bfloat16)
     x = torch.randn(3, 64, device="cuda").to(torch.bfloat16)
     logits = linear.forward_fp32(x)
+    assert linear.weight is not None
     exact = x.double() @ linear.weight.double().t()
     assert logits.dtype == torch.float32
     assert (logits.double() - exact).abs().max() < 1e-4

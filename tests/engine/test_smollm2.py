@@ -7,12 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from openai.types.chat import ChatCompletionMessageParam
 
 from engine.loader import load_checkpoint, smollm2_path
 from engine.tokenizer import TextTokenizer
 from tests.engine.conftest import start_server, stop_server
 
-PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+PARIS_QUESTION = "What is the capital of France?"
+PARIS: list[ChatCompletionMessageParam] = [{"role": "user", "content": PARIS_QUESTION}]
 QUESTIONS = [
     "What is the capital of France?",
     "Count to five.",
@@ -60,7 +62,8 @@ def test_greedy_matches_transformers_on_the_gguf_weights(smollm2_server):
             vocab_size=c.vocab_size, hidden_size=c.hidden_size,
             intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
             num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-            head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+            head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
             max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True,
         )
     )  # fmt: skip
@@ -102,7 +105,9 @@ def test_reduced_precision_still_answers_paris(dtype: str, tmp_path: Path):
         response = server.client.chat.completions.create(
             model="smollm2", messages=PARIS, temperature=0, max_tokens=32
         )
-        assert "Paris" in response.choices[0].message.content
+        content = response.choices[0].message.content
+        assert content is not None
+        assert "Paris" in content
         assert server.stats()["dtype"] == dtype
     finally:
         stop_server(server)
@@ -115,7 +120,7 @@ def test_gguf_metadata_reaches_the_tokenizer():
     assert checkpoint.config.num_kv_heads == 3
     assert tokenizer.eos_token_ids == (2,)
     assert tokenizer.encode("12345") == [33, 34, 35, 36, 37]
-    rendered = tokenizer.render_chat(PARIS)
+    rendered = tokenizer.render_chat([{"role": "user", "content": PARIS_QUESTION}])
     assert rendered.endswith("<|im_start|>assistant\n")
     assert json.dumps(rendered).count("<|im_start|>") == 3
 

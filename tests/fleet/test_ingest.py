@@ -3,7 +3,9 @@
 import json
 import threading
 import time
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from django.db import connection, transaction
@@ -22,7 +24,7 @@ from controlplane.audit.models import AuditEvent
 from controlplane.core.redis_clients import stream_reader
 from controlplane.core.streams import StreamIngestor
 from controlplane.fleet import selectors, services
-from controlplane.fleet.ingest import FleetTicker, LiveFleet, stream_handlers
+from controlplane.fleet.ingest import FleetTicker, HeartbeatHandler, LiveFleet, stream_handlers
 from controlplane.fleet.models import Agent, AgentCommand, AgentSample
 from tests.fleet.support import heartbeat, publish, register
 
@@ -176,19 +178,22 @@ def test_a_silent_agent_is_marked_lost_audited_and_announced(users, live_group) 
     ticker = FleetTicker(LiveFleet())
     ticker(True)  # starts watching: nothing is judged yet
     assert Agent.objects.get(name="agent-2").state == AgentState.READY
+    assert ticker._watching_since is not None
     ticker._watching_since -= 10  # watched long enough
     ticker(True)
-    assert Agent.objects.get(name="agent-2").state == "lost"
+    lost = Agent.objects.get(name="agent-2")
+    assert lost.state == "lost"
+    assert lost.last_seen is not None
     assert live_group.receive() == {
         "event": "agent.state",
         "payload": {
             "agent": "agent-2",
             "state": "lost",
             "previous": "ready",
-            "detail": Agent.objects.get(name="agent-2").detail,
+            "detail": lost.detail,
             "endpoint": "",
             "loaded_version_id": None,
-            "last_seen": Agent.objects.get(name="agent-2").last_seen.isoformat(),
+            "last_seen": lost.last_seen.isoformat(),
         },
     }
 
@@ -213,6 +218,7 @@ def test_ticker_publishes_live_figures(redis_client, users, live_group) -> None:
     register(actor=users["agent"])
     live = LiveFleet()
     handler = stream_handlers()[HEARTBEATS_STREAM]
+    assert isinstance(handler, HeartbeatHandler)
     handler.live = live
     entry_id = publish(redis_client, heartbeat(seq=4, tokens_per_second=33.5))
     handler.apply([handler.parse(entry_id, heartbeat(seq=4, tokens_per_second=33.5).to_fields())])
@@ -393,8 +399,8 @@ def _coalescing_heartbeats() -> list:
     return beats
 
 
-def _fleet_snapshot() -> tuple[list[dict], list[dict]]:
-    agents = list(
+def _fleet_snapshot() -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
+    agents: list[Mapping[str, Any]] = list(
         Agent.objects.order_by("name").values(
             "name",
             "state",
@@ -407,7 +413,9 @@ def _fleet_snapshot() -> tuple[list[dict], list[dict]]:
         )
     )
     columns = [f.name for f in AgentSample._meta.fields if f.name not in {"id", "agent"}]
-    samples = list(AgentSample.objects.order_by("agent__name", "bucket_start").values(*columns))
+    samples: list[Mapping[str, Any]] = list(
+        AgentSample.objects.order_by("agent__name", "bucket_start").values(*columns)
+    )
     return agents, samples
 
 

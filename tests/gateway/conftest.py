@@ -14,14 +14,17 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 import redis
 from django.conf import settings
+from openai.types import Completion, CompletionUsage
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from contracts.routing import REQUESTS_STREAM, parse_request_record
+from contracts.routing import REQUESTS_STREAM, RequestRecord, parse_request_record
 from controlplane.core.streams import StreamIngestor
 from controlplane.gateway.ingest import RequestsStreamHandler
 from controlplane.gateway.services import routing_table_publish
@@ -104,7 +107,7 @@ def engines(tmp_path_factory) -> Iterator[list[str]]:
 @dataclass
 class GatewayProcess:
     url: str
-    process: object
+    process: subprocess.Popen[bytes]
     log: Path
 
 
@@ -252,6 +255,18 @@ def client_for(gateway: GatewayProcess, raw_key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=raw_key, max_retries=0, timeout=60)
 
 
+def usage_of(response: ChatCompletion | ChatCompletionChunk | Completion) -> CompletionUsage:
+    """The usage the response reports, which the caller expects it to carry."""
+    assert response.usage is not None
+    return response.usage
+
+
+def error_body(error: openai.APIStatusError) -> dict[str, Any]:
+    """The OpenAI-shaped error object the gateway or engine answered with."""
+    assert isinstance(error.body, dict)
+    return error.body
+
+
 def wait_for_model(gateway: GatewayProcess, raw_key: str, model: str, present: bool = True) -> None:
     """Until the gateway's routing cache (fed by pub/sub) lists the model for this key."""
 
@@ -265,11 +280,13 @@ def wait_for_model(gateway: GatewayProcess, raw_key: str, model: str, present: b
     wait_until(listed, timeout=15, interval=0.05, message=f"{model} not routed by {gateway.url}")
 
 
-def stream_records(client: redis.Redis) -> list:
-    return [parse_request_record(fields) for _, fields in client.xrange(REQUESTS_STREAM)]
+def stream_records(client: redis.Redis) -> list[RequestRecord]:
+    # The client decodes responses, so the fields are str; redis types them bytes | str.
+    entries: Any = client.xrange(REQUESTS_STREAM)
+    return [parse_request_record(fields) for _, fields in entries]
 
 
-def wait_for_records(client: redis.Redis, count: int) -> list:
+def wait_for_records(client: redis.Redis, count: int) -> list[RequestRecord]:
     wait_until(
         lambda: client.xlen(REQUESTS_STREAM) >= count,
         timeout=30,

@@ -33,7 +33,7 @@ async def serve_requests(
     async def one(index: int) -> Admission | Exception:
         await asyncio.sleep(index % 7 * 0.001)  # arrivals spread over a few batches
         try:
-            admission = await batcher.admit(
+            admission: Admission | Exception = await batcher.admit(
                 tenant_id=7,
                 requests_per_minute=requests_per_minute,
                 tokens_per_minute=1_000_000,
@@ -42,8 +42,9 @@ async def serve_requests(
             )
         except redis.RedisError as exc:
             admission = exc
-        is_allowed = isinstance(admission, Admission) and admission.is_allowed
-        settlement = (7, admission.window, 5) if is_allowed else None  # type: ignore[union-attr]
+        settlement = None
+        if isinstance(admission, Admission) and admission.is_allowed:
+            settlement = (7, admission.window, 5)
         batcher.put(entry(index), settlement)
         return admission
 

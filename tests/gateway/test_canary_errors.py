@@ -8,6 +8,7 @@ the rollout services on PostgreSQL; the fault is the engine's own error injector
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from controlplane.gateway.models import RequestSample
 from controlplane.gateway.services import routing_table_publish
@@ -15,11 +16,17 @@ from controlplane.registry.models import ModelVersion
 from controlplane.rollouts import services
 from controlplane.rollouts.models import Rollout
 from controlplane.tenants.models import UsageRecord
-from tests.gateway.conftest import client_for, ingest_all, make_setup, wait_for_model
+from tests.gateway.conftest import (
+    client_for,
+    error_body,
+    ingest_all,
+    make_setup,
+    wait_for_model,
+)
 
 pytestmark = pytest.mark.slow
 
-MESSAGES = [{"role": "user", "content": "Say hi"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hi"}]
 
 
 def set_faults(engine: str, error_rate: float) -> None:
@@ -68,10 +75,10 @@ def test_tenant_errors_spare_a_healthy_canary_and_server_faults_roll_it_back(
     for _ in range(30):
         with pytest.raises(openai.BadRequestError) as at_gateway:
             client.chat.completions.create(model="smollm2", messages=MESSAGES, seed=2**64)
-        assert at_gateway.value.body["param"] == "seed"
+        assert error_body(at_gateway.value)["param"] == "seed"
         with pytest.raises(openai.BadRequestError) as at_engine:
             client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=10_000)
-        assert at_engine.value.body["code"] == "context_length_exceeded"
+        assert error_body(at_engine.value)["code"] == "context_length_exceeded"
     ingest_all(stores)
 
     samples = RequestSample.objects.all()
@@ -90,7 +97,7 @@ def test_tenant_errors_spare_a_healthy_canary_and_server_faults_roll_it_back(
             try:
                 client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=2)
             except openai.InternalServerError as exc:
-                assert exc.body["code"] == "injected_fault"
+                assert error_body(exc)["code"] == "injected_fault"
                 failures += 1
     finally:
         set_faults(engines[1], 0.0)

@@ -2,7 +2,7 @@
 
 from collections import Counter
 
-from contracts.routing import Affinity, VersionRoute, routing_table_build
+from contracts.routing import Affinity, RoutingTable, VersionRoute, routing_table_build
 from controlplane.gateway.caches import choose_version
 
 VERSIONS = [
@@ -17,8 +17,14 @@ def table(**overrides):
     )
 
 
-def draws(routing, tenant: str | None, count: int = 2000) -> Counter:
-    return Counter(choose_version(routing, None, tenant).version_id for _ in range(count))
+def chosen_id(routing: RoutingTable, affinity_value: str | None, tenant: str | None) -> int:
+    route = choose_version(routing, affinity_value, tenant)
+    assert route is not None
+    return route.version_id
+
+
+def draws(routing: RoutingTable, tenant: str | None, count: int = 2000) -> Counter[int]:
+    return Counter(chosen_id(routing, None, tenant) for _ in range(count))
 
 
 def test_only_the_named_tenants_reach_a_tenant_scoped_canary() -> None:
@@ -38,7 +44,7 @@ def test_a_named_tenant_at_full_weight_goes_to_the_canary_only() -> None:
 
 def test_tenant_affinity_keeps_a_named_tenant_on_one_version() -> None:
     routing = table(tenant_weights={"acme": {1: 50, 2: 50}}, affinity=Affinity.TENANT)
-    chosen = {choose_version(routing, "7", "acme").version_id for _ in range(50)}
+    chosen = {chosen_id(routing, "7", "acme") for _ in range(50)}
     assert len(chosen) == 1
 
 

@@ -6,6 +6,7 @@ import math
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from contracts.routing import REQUESTS_STREAM
 from controlplane.gateway.models import RequestSample
@@ -14,9 +15,11 @@ from controlplane.tenants.models import UsageRecord
 from tests.conftest import wait_until
 from tests.gateway.conftest import (
     client_for,
+    error_body,
     ingest_all,
     make_setup,
     stream_records,
+    usage_of,
     wait_for_fresh_window,
     wait_for_model,
     wait_for_records,
@@ -24,7 +27,9 @@ from tests.gateway.conftest import (
 
 pytestmark = pytest.mark.slow
 
-MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+MESSAGES: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the capital of France?"}
+]
 
 
 def publish(setup, weights, endpoints, **options):
@@ -87,20 +92,20 @@ def test_streaming_and_plain_chat_are_metered_exactly(stores, engines, gateways)
     )
     usage_chunk = with_usage[-1]
     assert usage_chunk.choices == []
-    assert usage_chunk.usage.completion_tokens == 5
+    assert usage_of(usage_chunk).completion_tokens == 5
 
     # Not streamed.
     plain = client.chat.completions.create(
         model="smollm2", messages=MESSAGES, max_tokens=4, extra_body={"ignore_eos": True}
     )
-    assert plain.usage.completion_tokens == 4
+    assert usage_of(plain).completion_tokens == 4
     assert plain.choices[0].message.content
 
     # Legacy completions.
     completion = client.completions.create(
         model="smollm2", prompt="Paris is", max_tokens=3, extra_body={"ignore_eos": True}
     )
-    assert completion.usage.completion_tokens == 3
+    assert usage_of(completion).completion_tokens == 3
 
     records = wait_for_records(stores, 4)
     assert [r.status for r in records] == [200, 200, 200, 200]
@@ -117,9 +122,9 @@ def test_streaming_and_plain_chat_are_metered_exactly(stores, engines, gateways)
     ingest_all(stores)
     expected_prompt = (
         records[0].prompt_tokens
-        + usage_chunk.usage.prompt_tokens
-        + plain.usage.prompt_tokens
-        + completion.usage.prompt_tokens
+        + usage_of(usage_chunk).prompt_tokens
+        + usage_of(plain).prompt_tokens
+        + usage_of(completion).prompt_tokens
     )
     assert usage_totals(setup.tenant) == (4, expected_prompt, 6 + 5 + 4 + 3, 0)
     assert RequestSample.objects.filter(tenant=setup.tenant).count() == 4
@@ -139,8 +144,8 @@ def test_replayed_entries_are_not_counted_twice(stores, engines, gateways) -> No
     totals = usage_totals(setup.tenant)
     assert totals == (
         3,
-        sum(r.usage.prompt_tokens for r in responses),
-        sum(r.usage.completion_tokens for r in responses),
+        sum(usage_of(r).prompt_tokens for r in responses),
+        sum(usage_of(r).completion_tokens for r in responses),
         0,
     )
     # Redelivery: the very same entries written again (a spool replay, a retried XADD).
@@ -178,7 +183,7 @@ def test_error_statuses_in_openai_shape(stores, engines, gateways) -> None:
             model="smollm2", messages=MESSAGES, max_tokens=1
         )
     assert bad_key.value.status_code == 401
-    assert bad_key.value.body["code"] == "invalid_api_key"
+    assert error_body(bad_key.value)["code"] == "invalid_api_key"
 
     # A model that is deployed but not the tenant's answers exactly as one that does not
     # exist (a key learns nothing of other tenants' models); nothing is counted or routed.
@@ -186,7 +191,7 @@ def test_error_statuses_in_openai_shape(stores, engines, gateways) -> None:
     for model in ("secret-model", "no-such-model"):
         with pytest.raises(openai.NotFoundError) as missing:
             client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1)
-        answers[model] = (missing.value.status_code, missing.value.body)
+        answers[model] = (missing.value.status_code, error_body(missing.value))
     assert answers["secret-model"] == (
         404,
         {
@@ -205,7 +210,7 @@ def test_error_statuses_in_openai_shape(stores, engines, gateways) -> None:
     client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=1)
     with pytest.raises(openai.RateLimitError) as limited:
         client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=1)
-    assert limited.value.body["code"] == "rate_limit_exceeded"
+    assert error_body(limited.value)["code"] == "rate_limit_exceeded"
     assert 1 <= int(limited.value.response.headers["retry-after"]) <= 60
 
     # No ready agent: the only weighted version has no endpoints.
@@ -225,7 +230,7 @@ def test_error_statuses_in_openai_shape(stores, engines, gateways) -> None:
             )
         except openai.InternalServerError as exc:
             assert exc.status_code == 503
-            assert exc.body["code"] == "no_ready_agent"
+            assert error_body(exc)["code"] == "no_ready_agent"
             return True
         return False
 
@@ -264,7 +269,7 @@ def test_tokens_per_minute_limit(stores, engines, gateways) -> None:
     client = client_for(gateways[0], setup.raw_key)
     with pytest.raises(openai.RateLimitError) as limited:
         client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=500)
-    assert limited.value.body["type"] == "tokens"
+    assert error_body(limited.value)["type"] == "tokens"
     assert not stores.keys(f"ratelimit:{{{setup.tenant.pk}}}:*")  # refused: no trace
     used = 0
     while True:
@@ -274,7 +279,7 @@ def test_tokens_per_minute_limit(stores, engines, gateways) -> None:
             )
         except openai.RateLimitError:
             break
-        used += response.usage.total_tokens
+        used += usage_of(response).total_tokens
         assert used <= 200
     assert used > 0
     # The window counts exactly what was served: every settlement landed before the refusal.
@@ -293,12 +298,12 @@ def test_a_request_without_max_tokens_reserves_the_whole_context(stores, engines
     client = client_for(gateways[0], setup.raw_key)
     with pytest.raises(openai.RateLimitError) as limited:
         client.chat.completions.create(model="smollm2", messages=MESSAGES)
-    assert limited.value.body["type"] == "tokens"
-    assert limited.value.body["code"] == "request_exceeds_token_limit"
-    assert "up to 2048 tokens" in limited.value.body["message"]
+    assert error_body(limited.value)["type"] == "tokens"
+    assert error_body(limited.value)["code"] == "request_exceeds_token_limit"
+    assert "up to 2048 tokens" in error_body(limited.value)["message"]
     assert "retry-after" not in limited.value.response.headers
     response = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=4)
-    assert response.usage.completion_tokens <= 4
+    assert usage_of(response).completion_tokens <= 4
 
 
 def test_a_stream_refused_while_its_request_is_under_way_leaves_no_trace(
@@ -332,7 +337,7 @@ def test_a_stream_refused_while_its_request_is_under_way_leaves_no_trace(
                 model="smollm2", messages=MESSAGES, max_tokens=50, stream=True
             )
         )
-    assert limited.value.body["type"] == "requests"
+    assert error_body(limited.value)["type"] == "requests"
     assert (int(stores.get(f"{prefix}r:{window}")), int(stores.get(f"{prefix}t:{window}"))) == (
         10,
         tokens_used,
@@ -385,7 +390,7 @@ def test_session_affinity_keeps_a_session_on_one_version(stores, engines, gatewa
     publish(setup, [50, 50], [[engines[0]], [engines[1]]], affinity="session")
     gateway = gateways[1]
     wait_for_model(gateway, setup.raw_key, "smollm2")
-    seen = {}
+    seen: dict[str, set[str]] = {}
     for session in ("alpha", "beta", "gamma"):
         for _ in range(2):
             response = httpx.post(

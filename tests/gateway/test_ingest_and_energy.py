@@ -102,6 +102,7 @@ def test_energy_is_attributed_by_tokens_once(redis_client) -> None:
         interval_end=start + timedelta(seconds=10),
         energy_joules=7.0,
     )
+    assert allocation is not None
     assert allocation.tokens == 100
     assert allocation.attributed_joules == 7.0
     energy = {

@@ -5,6 +5,7 @@ from datetime import timedelta
 
 import pytest
 from django.utils import timezone
+from openai.types.chat import ChatCompletionMessageParam
 
 from controlplane.gateway.app import KEY_TOUCH_FLUSH_S
 from controlplane.gateway.services import routing_table_publish
@@ -13,7 +14,7 @@ from controlplane.tenants.services import api_key_touch
 from tests.conftest import wait_until
 from tests.gateway.conftest import client_for, make_setup, wait_for_model
 
-MESSAGES = [{"role": "user", "content": "Say hi"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hi"}]
 
 
 def last_used(key_id: int):

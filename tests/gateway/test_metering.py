@@ -47,7 +47,12 @@ def chunks(draw) -> bytes:
     )
     text = draw(tricky_text)
     if kind == "chat":
-        choice = {"index": 0, "logprobs": None, "finish_reason": None, "delta": {"content": text}}
+        choice: dict[str, object] = {
+            "index": 0,
+            "logprobs": None,
+            "finish_reason": None,
+            "delta": {"content": text},
+        }
     elif kind == "completion":
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
     elif kind == "role":

@@ -4,6 +4,7 @@ import subprocess
 
 import pytest
 import redis
+from openai.types.chat import ChatCompletionMessageParam
 
 from contracts.routing import REQUESTS_STREAM
 from controlplane.gateway.spool import Spool
@@ -17,12 +18,13 @@ from tests.gateway.conftest import (
     route_wholly,
     start_gateway,
     stop_gateway,
+    usage_of,
     wait_for_model,
 )
 
 pytestmark = pytest.mark.slow
 
-MESSAGES = [{"role": "user", "content": "Say hi"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hi"}]
 
 
 def start_redis(port: int, directory) -> subprocess.Popen:
@@ -105,7 +107,7 @@ def test_entries_survive_a_redis_outage_through_the_spool(
         rows = UsageRecord.objects.filter(tenant=setup.tenant)
         assert sum(r.requests for r in rows) == 3
         assert sum(r.completion_tokens for r in rows) == sum(
-            a.usage.completion_tokens for a in answers
+            usage_of(answer).completion_tokens for answer in answers
         )
     finally:
         try:

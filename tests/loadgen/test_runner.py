@@ -3,6 +3,7 @@
 import asyncio
 import csv
 import json
+from typing import Any
 
 import pytest
 
@@ -96,7 +97,7 @@ def test_a_target_that_is_down_is_retried_with_backoff_not_a_crash():
 
 def test_forever_mode_keeps_aggregates_only_and_stops_on_request():
     server = OpenAIServer()
-    snapshots = []
+    snapshots: list[dict[str, Any]] = []
 
     async def scenario(base_url):
         config = LoadConfig(

@@ -49,6 +49,7 @@ def test_a_healthy_canary_advances_once_per_tick(deployment, versions, tenant) -
         .order_by("id")
         .last()
     )
+    assert advance is not None
     assert advance.actor_name == "system"
     assert advance.reason.startswith(f"analysis {run.pk}: pass: canary within every limit")
 
@@ -154,6 +155,7 @@ def test_the_full_weight_stage_judges_latency_by_limits_against_the_last_baselin
     rollout = backdate_stage(rollout, 120)
     window_end = analysis_tick()
     stage_start = rollout.stage_started_at
+    assert stage_start is not None
     add_samples(
         version=versions[0],
         tenant=tenant,
@@ -187,6 +189,7 @@ def test_the_full_weight_stage_still_fails_a_canary_over_the_absolute_limits(
     rollout = services.rollout_advance(actor=None, rollout_id=rollout.pk, reason="test")
     rollout = backdate_stage(rollout, 120)
     window_end = analysis_tick()
+    assert rollout.stage_started_at is not None
     add_samples(
         version=versions[0],
         tenant=tenant,

@@ -196,7 +196,9 @@ class Stack:
         return Deployment.objects.get(pk=self.deployment.pk).stable_version_id
 
     def routed(self) -> dict[int, int]:
-        table = parse_routing_table(self.redis.get(routing_key(DEPLOYMENT)))
+        published = self.redis.get(routing_key(DEPLOYMENT))
+        assert published is not None
+        table = parse_routing_table(published)
         return {v.version_id: v.weight for v in table.versions if v.endpoints}
 
 
@@ -272,7 +274,7 @@ def stack(committed_db, django_db_blocker, tmp_path_factory) -> Iterator[Stack]:
             for name in ("agent-1", "agent-2"):
                 start(
                     name,
-                    agent_args(name, free_port_pair(), settings.REDIS_URL, gateway.url, Holder),
+                    agent_args(name, free_port_pair(), settings.REDIS_URL, gateway.url, Holder()),
                 )
 
             deployment = services.deployment_create(

@@ -1,6 +1,7 @@
 """The reconciler writes the gateway's routing table from the database, ready agents only."""
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.test import override_settings
@@ -131,7 +132,7 @@ def test_a_tenant_scoped_stage_splits_only_the_named_tenants(
 
 
 def test_a_stage_naming_an_unknown_tenant_is_refused(deployment, versions, tenant) -> None:
-    stages = [{"weight": 50, "tenants": ["acme", "nobody"]}, {"weight": 100}]
+    stages: list[dict[str, Any]] = [{"weight": 50, "tenants": ["acme", "nobody"]}, {"weight": 100}]
     with pytest.raises(DomainError) as refused:
         services.rollout_create(
             actor=None, deployment=deployment, candidate=versions[1], stages=stages, reason="t"
