@@ -7,11 +7,19 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import hypothesis
 import pytest
 import redis
 from django.conf import settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Property tests draw the same examples every run, so a failure in `make test` reproduces
+# instead of showing up once in many runs; FUZZ_RANDOM=1 explores new ones.
+hypothesis.settings.register_profile("repeatable", derandomize=True, database=None)
+hypothesis.settings.register_profile("explore", derandomize=False)
+IS_EXPLORING = os.environ.get("FUZZ_RANDOM") == "1"
+hypothesis.settings.load_profile("explore" if IS_EXPLORING else "repeatable")
 
 
 @pytest.fixture

@@ -28,7 +28,6 @@ from controlplane.accounts.services import access_token_create
 from tests.api.support import make_user
 
 FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "5"))
-IS_RANDOM = os.environ.get("FUZZ_RANDOM") == "1"
 ROLES = (Role.ADMIN, Role.RELEASE_MANAGER, Role.TENANT_MEMBER)
 
 
@@ -69,9 +68,7 @@ def role_tokens(tenants, wsgi_keeps_the_test_connection) -> dict[str, str]:
 @schema.parametrize()
 @settings(
     max_examples=FUZZ_EXAMPLES,
-    derandomize=not IS_RANDOM,
     deadline=None,
-    database=None,
     suppress_health_check=list(HealthCheck),
 )
 def test_no_input_from_any_role_makes_a_server_error(case, role_tokens) -> None:

@@ -8,7 +8,6 @@ run beside them, through the gateway and straight to the engine. No answer may b
 """
 
 import json
-import os
 import threading
 
 import httpx
@@ -19,10 +18,6 @@ from hypothesis import strategies as st
 from tests.gateway.conftest import make_setup, route_wholly, wait_for_model
 
 pytestmark = pytest.mark.slow
-
-# `make test` draws the same bodies every run so a failure is reproducible, not flaky;
-# FUZZ_RANDOM=1 explores new ones.
-IS_RANDOM = os.environ.get("FUZZ_RANDOM") == "1"
 
 INNOCENT = {
     "model": "smollm2",
@@ -198,8 +193,6 @@ def test_hostile_chat_bodies_get_no_5xx_and_hurt_no_innocent_stream(
     @settings(
         max_examples=80,
         deadline=None,
-        database=None,
-        derandomize=not IS_RANDOM,
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )
     @given(body=bodies())
