@@ -250,7 +250,7 @@ def _own_gateway(tmp: Path) -> tuple[DemoStack, str, str, str]:
 
         from contracts.routing import parse_routing_table, routing_key
         from controlplane.registry.models import ModelVersion
-        from controlplane.rollouts import services
+        from controlplane.rollouts import deployments
         from controlplane.rollouts.models import Deployment
 
         client = redis.Redis.from_url(redis_url)
@@ -266,7 +266,7 @@ def _own_gateway(tmp: Path) -> tuple[DemoStack, str, str, str]:
         deployment = Deployment.objects.get(name=DEPLOYMENT)
         wait_for(lambda: routed() == {deployment.stable_version_id: 100}, 150, "stable routed")
         candidate = ModelVersion.objects.get(model__name=MODEL, label="q4_1-bf16")
-        services.rollout_create(
+        deployments.rollout_create(
             actor=None,
             deployment=deployment,
             candidate=candidate,

@@ -171,7 +171,7 @@ def measure(tmp: Path, drills: int, manual: int, ready_timeout: float) -> dict[s
         from controlplane.fleet.models import Agent
         from controlplane.gateway.models import RequestSample
         from controlplane.registry.models import ModelVersion
-        from controlplane.rollouts import services
+        from controlplane.rollouts import deployments
         from controlplane.rollouts.models import Deployment, Rollout, RolloutState
 
         monitor = RoutingMonitor(redis_url)
@@ -192,7 +192,7 @@ def measure(tmp: Path, drills: int, manual: int, ready_timeout: float) -> dict[s
         traffic = Traffic(stack.web_url, credentials["api_keys"]["acme"])
 
         def start_canary(reason: str) -> Rollout:
-            rollout = services.rollout_create(
+            rollout = deployments.rollout_create(
                 actor=None, deployment=deployment, candidate=candidate, stages=[STAGE],
                 policy=POLICY, reason=reason,
             )  # fmt: skip

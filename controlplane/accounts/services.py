@@ -9,7 +9,7 @@ from django.utils import timezone
 from controlplane.accounts.models import AccessToken, Membership
 from controlplane.accounts.roles import Role
 from controlplane.accounts.tokens import secret_generate, secret_hash, secret_visible_prefix
-from controlplane.audit.services import audit_event_record
+from controlplane.audit.services import Actor, audit_event_record
 from controlplane.core.errors import Conflict, DomainError
 from controlplane.tenants.models import Tenant
 
@@ -53,7 +53,7 @@ def access_token_create(
 
 
 @transaction.atomic
-def access_token_revoke(*, actor: Any, token: AccessToken) -> AccessToken:
+def access_token_revoke(*, actor: Actor, token: AccessToken) -> AccessToken:
     token = AccessToken.objects.select_for_update().get(pk=token.pk)
     if token.revoked_at is not None:
         raise Conflict("already_revoked", "This token is already revoked.")
@@ -89,7 +89,7 @@ def _check_role_and_tenant(role: str, tenant: Tenant | None) -> None:
 @transaction.atomic
 def user_create(
     *,
-    actor: Any,
+    actor: Actor,
     username: str,
     password: str | None,
     role: str,
@@ -117,7 +117,7 @@ def user_create(
 
 @transaction.atomic
 def membership_set(
-    *, actor: Any, user: Any, role: str, tenant: Tenant | None = None, reason: str = ""
+    *, actor: Actor, user: Any, role: str, tenant: Tenant | None = None, reason: str = ""
 ) -> Membership:
     """Give a user a role (replacing the one they had)."""
     _check_role_and_tenant(role, tenant)

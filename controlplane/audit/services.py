@@ -1,4 +1,6 @@
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from django.contrib.auth.models import User
 
 from controlplane.audit.models import AuditEvent
 from controlplane.core.events import (
@@ -7,12 +9,23 @@ from controlplane.core.events import (
     tenant_live_group,
 )
 
+if TYPE_CHECKING:
+    from django.contrib.auth.base_user import AbstractBaseUser
+    from django.contrib.auth.models import AnonymousUser
+
 SYSTEM_ACTOR = "system"
+# Who made a change: a signed-in user, or None for the system (tasks, ingest, the reconciler).
+Actor: TypeAlias = "AbstractBaseUser | AnonymousUser | None"
+
+
+def acting_user(actor: Actor) -> User | None:
+    """The user to record as author of a change: None for the system or an anonymous one."""
+    return actor if isinstance(actor, User) and actor.is_authenticated else None
 
 
 def audit_event_record(
     *,
-    actor: Any | None,
+    actor: Actor,
     action: str,
     object_type: str,
     object_id: str | int,
@@ -23,10 +36,10 @@ def audit_event_record(
     tenant_id: int | None = None,
 ) -> AuditEvent:
     """Append one audit event. Call it inside the transaction of the change it records."""
-    is_user = actor is not None and getattr(actor, "is_authenticated", False)
+    user = acting_user(actor)
     event = AuditEvent.objects.create(
-        actor=actor if is_user else None,
-        actor_name=actor.get_username() if is_user and actor is not None else SYSTEM_ACTOR,
+        actor=user,
+        actor_name=user.get_username() if user is not None else SYSTEM_ACTOR,
         action=action,
         object_type=object_type,
         object_id=str(object_id),

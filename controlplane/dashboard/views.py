@@ -12,6 +12,7 @@ A page may be asked for one of its fragments (`?fragment=<name>`): the live clie
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -35,8 +36,8 @@ from controlplane.fleet.models import AgentState
 from controlplane.registry import selectors as registry_selectors
 from controlplane.registry.models import DEPLOYABLE_STATUSES
 from controlplane.rollouts import selectors as rollout_selectors
-from controlplane.rollouts import services as rollout_services
-from controlplane.rollouts.models import ACTIVE_STATES
+from controlplane.rollouts import stages, transitions
+from controlplane.rollouts.models import ACTIVE_STATES, Rollout
 from controlplane.tenants import selectors as tenant_selectors
 from controlplane.tenants import services as tenant_services
 
@@ -171,7 +172,7 @@ def rollout_detail(request: HttpRequest, rollout_id: int) -> HttpResponse:
         "stages": presenters.stage_plan(rollout),
         "runs": runs,
         "actions": presenters.rollout_actions(request.user, rollout),
-        "policy": rollout_services.rollout_policy(rollout),
+        "policy": stages.rollout_policy(rollout),
         "events": audit_event_list(user=request.user).filter(
             object_type="rollout", object_id=str(rollout.pk)
         )[:20],
@@ -199,19 +200,20 @@ def rollout_series(request: HttpRequest, rollout_id: int) -> JsonResponse:
     return JsonResponse(presenters.analysis_series(reversed(runs), rollout))
 
 
-TRANSITIONS = {
-    "promote": rollout_services.rollout_advance,
-    "pause": rollout_services.rollout_pause,
-    "resume": rollout_services.rollout_resume,
-    "abort": rollout_services.rollout_abort,
-    "rollback": rollout_services.rollout_rollback,
+# The rollout actions the dashboard offers (promote advances one stage, or all with `full`).
+ROLLOUT_ACTIONS: dict[str, Callable[..., Rollout]] = {
+    "promote": transitions.rollout_advance,
+    "pause": transitions.rollout_pause,
+    "resume": transitions.rollout_resume,
+    "abort": transitions.rollout_abort,
+    "rollback": transitions.rollout_rollback,
 }
 
 
 @login_required
 @require_POST
 def rollout_transition(request: HttpRequest, rollout_id: int, action: str) -> HttpResponse:
-    if action not in TRANSITIONS:
+    if action not in ROLLOUT_ACTIONS:
         raise Http404("No such action.")
     _require(presenters.may_transition(request.user, action))
     rollout = _rollout_or_404(rollout_id)
@@ -226,7 +228,7 @@ def rollout_transition(request: HttpRequest, rollout_id: int, action: str) -> Ht
     if action == "promote":
         extra["full"] = data["full"]
     try:
-        result = TRANSITIONS[action](
+        result = ROLLOUT_ACTIONS[action](
             actor=request.user, rollout_id=rollout.pk, reason=data["reason"], **extra
         )
     except DomainError as error:

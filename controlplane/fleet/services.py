@@ -30,7 +30,7 @@ from contracts.streams import (
 )
 from contracts.streams import CommandKind as WireCommandKind
 from controlplane.accounts import access
-from controlplane.audit.services import audit_event_record
+from controlplane.audit.services import Actor, acting_user, audit_event_record
 from controlplane.core.errors import Conflict, DomainError, Forbidden, NotFound
 from controlplane.core.events import BROADCAST_GROUP, publish_events
 from controlplane.core.redis_clients import redis_client as make_redis_client
@@ -61,10 +61,6 @@ def fleet_events_publish(events: Sequence[tuple[str, dict[str, Any]]]) -> None:
     publish_events([settings.FLEET_LIVE_GROUP, BROADCAST_GROUP], events)
 
 
-def _user_or_none(actor: Any) -> Any:
-    return actor if actor is not None and getattr(actor, "is_authenticated", False) else None
-
-
 def agent_event_payload(agent: Agent) -> dict[str, Any]:
     return {
         "agent": agent.name,
@@ -82,7 +78,7 @@ def agent_event_payload(agent: Agent) -> dict[str, Any]:
 @transaction.atomic
 def agent_register(
     *,
-    actor: Any,
+    actor: Actor,
     name: str,
     host: str,
     endpoint: str,
@@ -110,7 +106,7 @@ def agent_register(
     agent.inventory = inventory
     agent.accelerator = str(inventory.get("accelerator") or "")[:200]
     agent.energy_source = energy_source
-    agent.registered_by = _user_or_none(actor)
+    agent.registered_by = acting_user(actor)
     agent.registered_at = now if created or is_moved else agent.registered_at
     agent.last_seen = now  # lost detection starts counting from here
     was_lost = agent.state == AgentState.LOST
@@ -167,7 +163,7 @@ def _load_payload(version: ModelVersion, *, served_model_name: str) -> dict[str,
 
 def agent_command_send(
     *,
-    actor: Any,
+    actor: Actor,
     agent_name: str,
     kind: str,
     version_id: int | None = None,
@@ -236,7 +232,7 @@ def agent_command_send(
                 payload=payload,
                 version=version,
                 reason=reason,
-                issued_by=_user_or_none(actor),
+                issued_by=acting_user(actor),
             )
             audit_event_record(
                 actor=actor,

@@ -7,7 +7,7 @@ from contracts.routing import RequestRecord, RoutingContractError, parse_request
 from controlplane.core.events import publish_event, tenant_live_group
 from controlplane.core.streams import MalformedEntry
 from controlplane.gateway.services import request_records_apply
-from controlplane.rollouts.services import rollout_check_hard_breach
+from controlplane.rollouts.decisions import rollout_check_hard_breach
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from contracts.signing import SignatureError, load_public_key, verify_signature
-from controlplane.audit.services import audit_event_record
+from controlplane.audit.services import Actor, acting_user, audit_event_record
 from controlplane.core.errors import Conflict, DomainError
 from controlplane.registry import store
 from controlplane.registry.models import (
@@ -22,16 +22,11 @@ from controlplane.registry.models import (
 )
 from controlplane.registry.serving import serving_config_validate
 
-
-def _user_or_none(actor: Any) -> Any:
-    return actor if getattr(actor, "is_authenticated", False) else None
-
-
 # Models.
 
 
 @transaction.atomic
-def model_create(*, actor: Any, name: str, task: str, description: str = "") -> Model:
+def model_create(*, actor: Actor, name: str, task: str, description: str = "") -> Model:
     if Model.objects.filter(name=name).exists():
         raise Conflict("model_exists", f"A model named {name!r} exists.", fields={"name": [name]})
     model = Model.objects.create(name=name, task=task, description=description)
@@ -50,7 +45,7 @@ def model_create(*, actor: Any, name: str, task: str, description: str = "") -> 
 
 
 def artifact_store(
-    *, actor: Any, chunks: Iterable[bytes], declared_digest: str, max_bytes: int | None = None
+    *, actor: Actor, chunks: Iterable[bytes], declared_digest: str, max_bytes: int | None = None
 ) -> tuple[Artifact, bool]:
     """Stream an artifact into the store and record it; (artifact, created).
 
@@ -67,7 +62,7 @@ def artifact_store(
             defaults={
                 "format": stored.format,
                 "size_bytes": stored.size_bytes,
-                "created_by": _user_or_none(actor),
+                "created_by": acting_user(actor),
             },
         )
         if created:
@@ -88,7 +83,7 @@ def artifact_store(
 @transaction.atomic
 def version_register(
     *,
-    actor: Any,
+    actor: Actor,
     model: Model,
     label: str,
     artifact_digest: str,
@@ -126,7 +121,7 @@ def version_register(
         source=source,
         base_version=base_version,
         notes=notes,
-        created_by=_user_or_none(actor),
+        created_by=acting_user(actor),
     )
     audit_event_record(
         actor=actor,
@@ -153,7 +148,7 @@ def _locked(version: ModelVersion, expected: Collection[str]) -> ModelVersion:
 
 def _transition(
     *,
-    actor: Any,
+    actor: Actor,
     version: ModelVersion,
     expected: Collection[str],
     new_status: str,
@@ -182,7 +177,7 @@ def _transition(
 
 @transaction.atomic
 def version_verify(
-    *, actor: Any, version: ModelVersion, key_id: str, signature: str
+    *, actor: Actor, version: ModelVersion, key_id: str, signature: str
 ) -> ModelVersion:
     """registered -> verified, with a valid signature from a trusted key."""
     locked = _locked(version, {VersionStatus.REGISTERED})
@@ -213,7 +208,7 @@ def version_verify(
 
 
 @transaction.atomic
-def version_verify_override(*, actor: Any, version: ModelVersion, reason: str) -> ModelVersion:
+def version_verify_override(*, actor: Actor, version: ModelVersion, reason: str) -> ModelVersion:
     """registered -> verified without a signature: an admin's explicit, audited decision."""
     if not reason.strip():
         raise DomainError(
@@ -231,7 +226,7 @@ def version_verify_override(*, actor: Any, version: ModelVersion, reason: str) -
 
 
 @transaction.atomic
-def version_approve(*, actor: Any, version: ModelVersion, reason: str = "") -> ModelVersion:
+def version_approve(*, actor: Actor, version: ModelVersion, reason: str = "") -> ModelVersion:
     """evaluated -> approved: ready to be rolled out."""
     return _transition(
         actor=actor,
@@ -244,7 +239,7 @@ def version_approve(*, actor: Any, version: ModelVersion, reason: str = "") -> M
 
 
 @transaction.atomic
-def version_deprecate(*, actor: Any, version: ModelVersion, reason: str = "") -> ModelVersion:
+def version_deprecate(*, actor: Actor, version: ModelVersion, reason: str = "") -> ModelVersion:
     return _transition(
         actor=actor,
         version=version,
@@ -256,7 +251,7 @@ def version_deprecate(*, actor: Any, version: ModelVersion, reason: str = "") ->
 
 
 @transaction.atomic
-def version_revoke(*, actor: Any, version: ModelVersion, reason: str) -> ModelVersion:
+def version_revoke(*, actor: Actor, version: ModelVersion, reason: str) -> ModelVersion:
     """Any status -> revoked: the version must never be served again."""
     if not reason.strip():
         raise DomainError(
@@ -277,7 +272,7 @@ def version_revoke(*, actor: Any, version: ModelVersion, reason: str) -> ModelVe
 
 @transaction.atomic
 def signing_key_create(
-    *, actor: Any, key_id: str, public_key: str, is_trusted: bool = False, description: str = ""
+    *, actor: Actor, key_id: str, public_key: str, is_trusted: bool = False, description: str = ""
 ) -> SigningKey:
     try:
         load_public_key(public_key)
@@ -292,7 +287,7 @@ def signing_key_create(
         public_key=public_key,
         is_trusted=is_trusted,
         description=description,
-        created_by=_user_or_none(actor),
+        created_by=acting_user(actor),
     )
     audit_event_record(
         actor=actor,
@@ -307,7 +302,7 @@ def signing_key_create(
 
 @transaction.atomic
 def signing_key_set_trust(
-    *, actor: Any, key: SigningKey, is_trusted: bool, reason: str = ""
+    *, actor: Actor, key: SigningKey, is_trusted: bool, reason: str = ""
 ) -> SigningKey:
     key = SigningKey.objects.select_for_update().get(pk=key.pk)
     if key.is_trusted == is_trusted:
@@ -364,7 +359,7 @@ def _metrics_validate(metrics: Any) -> list[dict[str, Any]]:
 
 @transaction.atomic
 def eval_suite_create(
-    *, actor: Any, name: str, kind: str, dataset: str, metrics: Any, description: str = ""
+    *, actor: Actor, name: str, kind: str, dataset: str, metrics: Any, description: str = ""
 ) -> EvalSuite:
     definitions = _metrics_validate(metrics)
     if EvalSuite.objects.filter(name=name).exists():
@@ -397,7 +392,7 @@ def evaluation_passes(*, suite: EvalSuite, metrics: dict[str, float]) -> bool:
 @transaction.atomic
 def evaluation_record(
     *,
-    actor: Any,
+    actor: Actor,
     version: ModelVersion,
     suite: EvalSuite,
     metrics: dict[str, Any],
@@ -428,7 +423,7 @@ def evaluation_record(
         metrics=metrics,
         passed=passed,
         notes=notes,
-        created_by=_user_or_none(actor),
+        created_by=acting_user(actor),
     )
     audit_event_record(
         actor=actor,
@@ -451,7 +446,7 @@ def evaluation_record(
 
 
 def artifact_store_file(
-    *, actor: Any, path: Path, declared_digest: str | None = None
+    *, actor: Actor, path: Path, declared_digest: str | None = None
 ) -> tuple[Artifact, bool]:
     """Store a server-side file (admin command, demo seed); a stored digest is not copied again."""
     if not path.is_file():

@@ -22,12 +22,13 @@ from django.utils import timezone
 from contracts.routing import (
     VersionRoute,
 )
+from controlplane.core.errors import DomainError
 from controlplane.core.redis_clients import redis_client
 from controlplane.fleet.models import Agent, AgentCommand, AgentState, CommandKind, CommandStatus
 from controlplane.gateway.services import routing_table_publish
 from controlplane.registry.models import ModelVersion
 from controlplane.registry.serving import context_length
-from controlplane.rollouts import services
+from controlplane.rollouts import decisions
 from controlplane.rollouts.models import Deployment, Rollout, RolloutState
 
 logger = logging.getLogger(__name__)
@@ -135,18 +136,9 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
                 deployment=deployment, candidate_id=canary_id, state=RolloutState.RUNNING
             ).first()
             if rollout is not None:
-                try:
-                    services.rollout_rollback(
-                        actor=None,
-                        rollout_id=rollout.pk,
-                        reason="hard breach: every canary agent is lost: "
-                        + ", ".join(a.name for a in lost),
-                        expected_state=RolloutState.RUNNING,
-                        extra={"hard_breach": True},
-                    )
-                    report.rolled_back = True
-                except services.Conflict:
-                    pass
+                report.rolled_back = decisions.rollback_when_canary_lost(
+                    rollout_id=rollout.pk, lost_agents=[a.name for a in lost]
+                )
                 deployment.refresh_from_db()
                 desired = deployment.desired_routing
                 report.revision = deployment.routing_revision
@@ -294,7 +286,7 @@ def _converge_agents(
             in_flight.add(agent.pk)
             agent.loaded_version_id = version_id  # not spare for the next version of this pass
             agent.state = AgentState.LOADING
-        except services.DomainError as exc:
+        except DomainError as exc:
             logger.warning("load not sent", extra={"agent": agent.name, "error": exc.message})
 
     grace = settings.ROLLOUTS_DRAIN_GRACE_S
@@ -325,5 +317,5 @@ def _converge_agents(
             )
             report.drains.append(agent.name)
             client.delete(retire_key)
-        except services.DomainError as exc:
+        except DomainError as exc:
             logger.warning("drain not sent", extra={"agent": agent.name, "error": exc.message})

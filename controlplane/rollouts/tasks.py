@@ -19,7 +19,14 @@ from django.utils import timezone
 
 from controlplane.core.errors import NotFound
 from controlplane.core.redis_clients import redis_client
-from controlplane.rollouts import reconciler, services, webhooks
+from controlplane.rollouts import (
+    decisions,
+    evaluation_jobs,
+    hooks,
+    reconciler,
+    transitions,
+    webhooks,
+)
 from controlplane.rollouts.models import Deployment, Rollout, RolloutState
 
 logger = logging.getLogger(__name__)
@@ -29,7 +36,7 @@ TASK_OPTIONS = {"acks_late": True, "reject_on_worker_lost": True, "ignore_result
 EVALUATION_LOCK_S = 600
 
 
-@shared_task(name="rollouts.reconcile", **TASK_OPTIONS)
+@shared_task(name=hooks.RECONCILE_TASK, **TASK_OPTIONS)
 def reconcile_deployment(deployment_id: int) -> None:
     report = reconciler.reconcile_deployment(deployment_id=deployment_id)
     if report.loads or report.drains or report.rolled_back:
@@ -55,15 +62,15 @@ def reconcile_all() -> None:
         reconcile_deployment.delay(deployment_id)
 
 
-@shared_task(name="rollouts.gate", **TASK_OPTIONS)
+@shared_task(name=hooks.GATE_TASK, **TASK_OPTIONS)
 def rollout_gate(rollout_id: int) -> None:
     """Check the gate; enqueue each required suite not evaluated yet (one job at a time)."""
-    rollout = services.rollout_gate_check(rollout_id=rollout_id)
+    rollout = transitions.rollout_gate_check(rollout_id=rollout_id)
     if rollout.state != RolloutState.GATING:
         return
     client = redis_client(decode_responses=True)
     try:
-        for suite_id in services.evaluations_due(rollout_id=rollout_id):
+        for suite_id in evaluation_jobs.evaluations_due(rollout_id=rollout_id):
             key = f"rollouts:evaluating:{rollout_id}:{suite_id}"
             if client.set(key, "1", nx=True, ex=EVALUATION_LOCK_S):
                 rollout_evaluate.delay(rollout_id, suite_id)
@@ -75,7 +82,7 @@ def rollout_gate(rollout_id: int) -> None:
 def rollout_evaluate(rollout_id: int, suite_id: int) -> None:
     """One evaluation job; its in-progress key is released however it ends."""
     try:
-        services.evaluation_run(rollout_id=rollout_id, suite_id=suite_id)
+        evaluation_jobs.evaluation_run(rollout_id=rollout_id, suite_id=suite_id)
     finally:
         client = redis_client(decode_responses=True)
         try:
@@ -109,7 +116,7 @@ def analyze_all() -> None:
 @shared_task(name="rollouts.analyze", **TASK_OPTIONS)
 def rollout_analyze(rollout_id: int, window_end: str) -> None:
     try:
-        services.rollout_analyze(
+        decisions.rollout_analyze(
             rollout_id=rollout_id, window_end=datetime.fromisoformat(window_end)
         )
     except NotFound:
@@ -118,7 +125,7 @@ def rollout_analyze(rollout_id: int, window_end: str) -> None:
 
 
 @shared_task(
-    name="rollouts.webhook_deliver",
+    name=hooks.WEBHOOK_DELIVER_TASK,
     acks_late=True,
     reject_on_worker_lost=True,
     ignore_result=True,

@@ -15,7 +15,7 @@ from rest_framework.response import Response
 
 from controlplane.accounts import access
 from controlplane.accounts.permissions import allows, allows_by_method
-from controlplane.rollouts import selectors, services
+from controlplane.rollouts import deployments, selectors, transitions, webhooks
 from controlplane.rollouts.serializers import (
     AnalysisRunSerializer,
     DeploymentCreateSerializer,
@@ -45,7 +45,7 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
     def create(self, request: Request) -> Response:
         serializer = DeploymentCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        deployment = services.deployment_create(actor=request.user, **serializer.validated_data)
+        deployment = deployments.deployment_create(actor=request.user, **serializer.validated_data)
         return Response(DeploymentSerializer(deployment).data, status=status.HTTP_201_CREATED)
 
 
@@ -69,7 +69,7 @@ class RolloutViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
         stages = data["stages"]
-        rollout = services.rollout_create(
+        rollout = deployments.rollout_create(
             actor=request.user,
             deployment=data["deployment"],
             candidate=data["candidate"],
@@ -94,19 +94,19 @@ class RolloutViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
     @action(detail=True, methods=["post"])
     def promote(self, request: Request, pk: str) -> Response:
         """Next stage (or promoted after the last); `full: true` promotes at once."""
-        return self._transition(request, pk, services.rollout_advance, PromoteSerializer)
+        return self._transition(request, pk, transitions.rollout_advance, PromoteSerializer)
 
     @extend_schema(request=TransitionSerializer, responses={200: RolloutSerializer})
     @action(
         detail=True, methods=["post"], permission_classes=[allows(access.can_pause_or_rollback)]
     )
     def pause(self, request: Request, pk: str) -> Response:
-        return self._transition(request, pk, services.rollout_pause, TransitionSerializer)
+        return self._transition(request, pk, transitions.rollout_pause, TransitionSerializer)
 
     @extend_schema(request=TransitionSerializer, responses={200: RolloutSerializer})
     @action(detail=True, methods=["post"])
     def resume(self, request: Request, pk: str) -> Response:
-        return self._transition(request, pk, services.rollout_resume, TransitionSerializer)
+        return self._transition(request, pk, transitions.rollout_resume, TransitionSerializer)
 
     @extend_schema(request=TransitionSerializer, responses={200: RolloutSerializer})
     @action(
@@ -116,17 +116,17 @@ class RolloutViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
         permission_classes=[allows(access.can_pause_or_rollback)],
     )
     def rollback(self, request: Request, pk: str) -> Response:
-        return self._transition(request, pk, services.rollout_rollback, TransitionSerializer)
+        return self._transition(request, pk, transitions.rollout_rollback, TransitionSerializer)
 
     @extend_schema(request=TransitionSerializer, responses={200: RolloutSerializer})
     @action(detail=True, methods=["post"])
     def abort(self, request: Request, pk: str) -> Response:
-        return self._transition(request, pk, services.rollout_abort, TransitionSerializer)
+        return self._transition(request, pk, transitions.rollout_abort, TransitionSerializer)
 
     @extend_schema(request=TransitionSerializer, responses={200: RolloutSerializer})
     @action(detail=True, methods=["post"])
     def retry(self, request: Request, pk: str) -> Response:
-        return self._transition(request, pk, services.rollout_retry, TransitionSerializer)
+        return self._transition(request, pk, transitions.rollout_retry, TransitionSerializer)
 
     @extend_schema(responses={200: AnalysisRunSerializer(many=True)})
     @action(detail=True, methods=["get"], url_path="analysis-runs")
@@ -151,11 +151,11 @@ class WebhookEndpointViewSet(
     def create(self, request: Request) -> Response:
         serializer = WebhookEndpointCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        endpoint = services.webhook_endpoint_create(actor=request.user, **serializer.validated_data)
+        endpoint = webhooks.webhook_endpoint_create(actor=request.user, **serializer.validated_data)
         return Response(WebhookEndpointSerializer(endpoint).data, status=status.HTTP_201_CREATED)
 
     def destroy(self, request: Request, pk: str) -> Response:
-        services.webhook_endpoint_delete(actor=request.user, endpoint=self.get_object())
+        webhooks.webhook_endpoint_delete(actor=request.user, endpoint=self.get_object())
         return Response(status=status.HTTP_204_NO_CONTENT)
 
     @extend_schema(responses={200: WebhookDeliverySerializer(many=True)})

@@ -1,4 +1,7 @@
-"""Outgoing webhooks: HMAC-SHA256 signed POSTs of rollout events.
+"""Outgoing webhooks: endpoints, and HMAC-SHA256 signed POSTs of rollout events.
+
+The outbox rows are written in each rollout change's own transaction (hooks.emit);
+`delivery_send` posts one, retried by its task.
 
 Headers: `X-Rollout-Event`, `X-Rollout-Delivery` (the event id, stable across retries, so
 receivers can drop duplicates) and `X-Rollout-Signature: t=<unix seconds>,v1=<hex>` where
@@ -17,9 +20,71 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from controlplane.rollouts.models import DeliveryStatus, WebhookDelivery
+from controlplane.audit.services import Actor, acting_user, audit_event_record
+from controlplane.core.errors import Conflict, DomainError
+from controlplane.rollouts.models import DeliveryStatus, WebhookDelivery, WebhookEndpoint
 
 SIGNATURE_HEADER = "X-Rollout-Signature"
+
+
+WEBHOOK_EVENTS = (
+    "rollout.create",
+    "rollout.start_gating",
+    "rollout.gate_blocked",
+    "rollout.stage_start",
+    "rollout.extend",
+    "rollout.promote",
+    "rollout.pause",
+    "rollout.resume",
+    "rollout.rollback",
+    "rollout.abort",
+    "rollout.fail",
+    "rollout.retry",
+)
+
+
+@transaction.atomic
+def webhook_endpoint_create(
+    *, actor: Actor, name: str, url: str, secret: str, events: list[str]
+) -> WebhookEndpoint:
+    unknown = sorted(set(events) - set(WEBHOOK_EVENTS) - {"*"})
+    if not events or unknown:
+        raise DomainError(
+            "invalid_events",
+            f"Events must be '*' or among: {', '.join(WEBHOOK_EVENTS)}.",
+            fields={"events": unknown or ["Required."]},
+        )
+    if WebhookEndpoint.objects.filter(name=name).exists():
+        raise Conflict("webhook_exists", f"A webhook named {name!r} exists.")
+    endpoint = WebhookEndpoint.objects.create(
+        name=name,
+        url=url,
+        secret=secret,
+        events=sorted(set(events)),
+        created_by=acting_user(actor),
+    )
+    audit_event_record(
+        actor=actor,
+        action="webhook.create",
+        object_type="webhook",
+        object_id=endpoint.pk,
+        object_repr=name,
+        after={"url": url, "events": endpoint.events},
+    )
+    return endpoint
+
+
+@transaction.atomic
+def webhook_endpoint_delete(*, actor: Actor, endpoint: WebhookEndpoint) -> None:
+    audit_event_record(
+        actor=actor,
+        action="webhook.delete",
+        object_type="webhook",
+        object_id=endpoint.pk,
+        object_repr=endpoint.name,
+        before={"url": endpoint.url, "events": endpoint.events},
+    )
+    endpoint.delete()
 
 
 class TransientDeliveryError(Exception):

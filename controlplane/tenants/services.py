@@ -9,7 +9,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from controlplane.accounts.tokens import secret_generate, secret_hash, secret_visible_prefix
-from controlplane.audit.services import audit_event_record
+from controlplane.audit.services import Actor, acting_user, audit_event_record
 from controlplane.core.errors import Conflict, DomainError
 from controlplane.gateway.services import gateway_cache_invalidate
 from controlplane.registry.models import Model
@@ -54,7 +54,7 @@ def _tenant_snapshot(tenant: Tenant) -> dict[str, Any]:
 @transaction.atomic
 def tenant_create(
     *,
-    actor: Any,
+    actor: Actor,
     slug: str,
     name: str,
     requests_per_minute: int = 600,
@@ -90,7 +90,7 @@ def tenant_create(
 @transaction.atomic
 def tenant_update(
     *,
-    actor: Any,
+    actor: Actor,
     tenant: Tenant,
     allowed_models: list[Model] | None = None,
     reason: str = "",
@@ -134,7 +134,7 @@ class CreatedApiKey:
 @transaction.atomic
 def api_key_create(
     *,
-    actor: Any,
+    actor: Actor,
     tenant: Tenant,
     name: str,
     scopes: list[str] | None = None,
@@ -159,7 +159,7 @@ def api_key_create(
         key_hash=secret_hash(raw),
         scopes=scopes,
         expires_at=expires_at,
-        created_by=actor if getattr(actor, "is_authenticated", False) else None,
+        created_by=acting_user(actor),
     )
     audit_event_record(
         actor=actor,
@@ -174,7 +174,7 @@ def api_key_create(
 
 
 @transaction.atomic
-def api_key_revoke(*, actor: Any, key: ApiKey, reason: str = "") -> ApiKey:
+def api_key_revoke(*, actor: Actor, key: ApiKey, reason: str = "") -> ApiKey:
     key = ApiKey.objects.select_for_update().get(pk=key.pk)
     if key.revoked_at is not None:
         raise Conflict("already_revoked", "This key is already revoked.")

@@ -21,7 +21,7 @@ from controlplane.registry.models import (
     ModelVersion,
     SigningKey,
 )
-from controlplane.rollouts import services as rollout_services
+from controlplane.rollouts import deployments, transitions
 from controlplane.rollouts.models import AnalysisRun, Deployment, Rollout
 from controlplane.tenants.models import Tenant, UsageRecord
 
@@ -184,13 +184,11 @@ def build_world(*, analysis_runs: int = 6) -> World:
         metrics={"exact_match": 0.91},
         passed=True,
     )
-    deployment = rollout_services.deployment_create(
-        actor=None, name="smollm2", stable_version=stable
-    )
-    rollout = rollout_services.rollout_create(
+    deployment = deployments.deployment_create(actor=None, name="smollm2", stable_version=stable)
+    rollout = deployments.rollout_create(
         actor=None, deployment=deployment, candidate=candidate, reason="bf16 is faster"
     )
-    rollout = rollout_services.rollout_gate_check(rollout_id=rollout.pk)
+    rollout = transitions.rollout_gate_check(rollout_id=rollout.pk)
     _analysis_runs(rollout, analysis_runs)
     agents = [
         _agent("agent-1", stable, AgentState.READY, 180.0),

@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from controlplane.gateway.models import RequestSample
 from controlplane.gateway.services import routing_table_publish
 from controlplane.registry.models import ModelVersion
-from controlplane.rollouts import services
+from controlplane.rollouts import deployments, transitions
 from controlplane.rollouts.models import Rollout
 from controlplane.tenants.models import UsageRecord
 from tests.gateway.conftest import (
@@ -46,15 +46,15 @@ def test_tenant_errors_spare_a_healthy_canary_and_server_faults_roll_it_back(
     ModelVersion.objects.filter(pk__in=[stable.pk, candidate.pk]).update(status="verified")
     stable.refresh_from_db()
     candidate.refresh_from_db()
-    deployment = services.deployment_create(actor=None, name="smollm2", stable_version=stable)
-    rollout = services.rollout_create(
+    deployment = deployments.deployment_create(actor=None, name="smollm2", stable_version=stable)
+    rollout = deployments.rollout_create(
         actor=None,
         deployment=deployment,
         candidate=candidate,
         reason="test",
         stages=[{"weight": 50, "min_duration_s": 600, "min_requests": 20}],
     )
-    rollout = services.rollout_gate_check(rollout_id=rollout.pk)
+    rollout = transitions.rollout_gate_check(rollout_id=rollout.pk)
     assert rollout.state == "running"
     routing_table_publish(  # as the reconciler would, with the canary on the second engine
         deployment="smollm2",

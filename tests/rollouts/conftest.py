@@ -12,7 +12,7 @@ from controlplane.accounts.roles import Role
 from controlplane.accounts.services import access_token_create, user_create
 from controlplane.gateway.models import RequestSample
 from controlplane.registry.models import Artifact, EvalKind, EvalSuite, Model, ModelVersion
-from controlplane.rollouts import services
+from controlplane.rollouts import deployments, transitions
 from controlplane.rollouts.models import Deployment, Rollout
 from controlplane.tenants.models import Tenant
 
@@ -38,7 +38,7 @@ def versions(db) -> tuple[ModelVersion, ModelVersion]:
 
 @pytest.fixture
 def deployment(versions) -> Deployment:
-    return services.deployment_create(actor=None, name="smollm2", stable_version=versions[0])
+    return deployments.deployment_create(actor=None, name="smollm2", stable_version=versions[0])
 
 
 @pytest.fixture
@@ -78,10 +78,10 @@ ROLES = [Role.ADMIN, Role.RELEASE_MANAGER, Role.ON_CALL, Role.VIEWER]
 
 def running_rollout(deployment: Deployment, candidate: ModelVersion, **kwargs: Any) -> Rollout:
     """A rollout moved to stage 0 through the gate (no required suites)."""
-    rollout = services.rollout_create(
+    rollout = deployments.rollout_create(
         actor=None, deployment=deployment, candidate=candidate, reason="test", **kwargs
     )
-    return services.rollout_gate_check(rollout_id=rollout.pk)
+    return transitions.rollout_gate_check(rollout_id=rollout.pk)
 
 
 def add_samples(

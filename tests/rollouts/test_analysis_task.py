@@ -6,7 +6,7 @@ import pytest
 from django.utils import timezone
 
 from controlplane.audit.models import AuditEvent
-from controlplane.rollouts import services
+from controlplane.rollouts import decisions, transitions
 from controlplane.rollouts.models import AnalysisRun, Deployment, Rollout
 from controlplane.rollouts.tasks import analysis_tick, rollout_analyze
 from tests.rollouts.conftest import add_samples, backdate_stage, running_rollout
@@ -100,7 +100,7 @@ def test_too_little_traffic_extends_then_fails(deployment, versions, tenant) -> 
 
 def test_a_paused_rollout_is_not_analyzed(deployment, versions) -> None:
     rollout = running_rollout(deployment, versions[1], stages=STAGES, policy=POLICY)
-    services.rollout_pause(actor=None, rollout_id=rollout.pk, reason="hold on")
+    transitions.rollout_pause(actor=None, rollout_id=rollout.pk, reason="hold on")
     rollout_analyze.apply(args=[rollout.pk, analysis_tick().isoformat()])
     assert AnalysisRun.objects.count() == 0
 
@@ -123,8 +123,8 @@ def test_hard_breach_rolls_back_at_once(deployment, versions, tenant) -> None:
         ttft_ms=[100.0] * 10,
         errors=[True] * 5 + [False] * 5,
     )
-    assert services.rollout_check_hard_breach(version_id=versions[1].pk) is None
-    assert services.rollout_check_hard_breach(version_id=versions[0].pk) is None  # not a canary
+    assert decisions.rollout_check_hard_breach(version_id=versions[1].pk) is None
+    assert decisions.rollout_check_hard_breach(version_id=versions[0].pk) is None  # not a canary
 
     add_samples(
         version=versions[1],
@@ -133,12 +133,12 @@ def test_hard_breach_rolls_back_at_once(deployment, versions, tenant) -> None:
         ttft_ms=[100.0] * 6,
         errors=[True] * 6,
     )
-    rolled_back = services.rollout_check_hard_breach(version_id=versions[1].pk)
+    rolled_back = decisions.rollout_check_hard_breach(version_id=versions[1].pk)
     assert rolled_back is not None and rolled_back.state == "rolled_back"
     assert rolled_back.state_reason == (
         "hard breach: error rate 0.60 in the last 10 canary requests is over 0.5"
     )
-    assert services.rollout_check_hard_breach(version_id=versions[1].pk) is None  # once
+    assert decisions.rollout_check_hard_breach(version_id=versions[1].pk) is None  # once
     assert Rollout.objects.get().state == "rolled_back"
 
 
@@ -151,7 +151,7 @@ def test_the_full_weight_stage_judges_latency_by_limits_against_the_last_baselin
     rollout = running_rollout(
         deployment, versions[1], stages=STAGES, policy={**POLICY, "ttft_p95_max_ms": 1000.0}
     )
-    rollout = services.rollout_advance(actor=None, rollout_id=rollout.pk, reason="test")
+    rollout = transitions.rollout_advance(actor=None, rollout_id=rollout.pk, reason="test")
     rollout = backdate_stage(rollout, 120)
     window_end = analysis_tick()
     stage_start = rollout.stage_started_at
@@ -186,7 +186,7 @@ def test_the_full_weight_stage_still_fails_a_canary_over_the_absolute_limits(
     rollout = running_rollout(
         deployment, versions[1], stages=STAGES, policy={**POLICY, "ttft_p95_max_ms": 300.0}
     )
-    rollout = services.rollout_advance(actor=None, rollout_id=rollout.pk, reason="test")
+    rollout = transitions.rollout_advance(actor=None, rollout_id=rollout.pk, reason="test")
     rollout = backdate_stage(rollout, 120)
     window_end = analysis_tick()
     assert rollout.stage_started_at is not None

@@ -7,7 +7,7 @@ from django.db import connection
 
 from controlplane.audit.models import AuditEvent
 from controlplane.core.errors import Conflict
-from controlplane.rollouts import services
+from controlplane.rollouts import deployments, transitions
 from controlplane.rollouts.models import Deployment, Rollout
 from tests.rollouts.conftest import running_rollout
 
@@ -36,11 +36,13 @@ def race(calls) -> list[object]:
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("attempt", range(3))
 def test_two_promotions_of_the_same_stage_apply_once(versions, redis_client, attempt) -> None:
-    deployment = services.deployment_create(actor=None, name="smollm2", stable_version=versions[0])
+    deployment = deployments.deployment_create(
+        actor=None, name="smollm2", stable_version=versions[0]
+    )
     rollout = running_rollout(deployment, versions[1])
 
     def promote():
-        return services.rollout_advance(
+        return transitions.rollout_advance(
             actor=None, rollout_id=rollout.pk, reason="race", expected_stage=0
         )
 
@@ -60,14 +62,16 @@ def test_two_promotions_of_the_same_stage_apply_once(versions, redis_client, att
 
 @pytest.mark.django_db(transaction=True)
 def test_rollback_racing_promotion_leaves_one_consistent_outcome(versions, redis_client) -> None:
-    deployment = services.deployment_create(actor=None, name="smollm2", stable_version=versions[0])
+    deployment = deployments.deployment_create(
+        actor=None, name="smollm2", stable_version=versions[0]
+    )
     rollout = running_rollout(deployment, versions[1])
     revision = Rollout.objects.get().revision
     calls = [
-        lambda: services.rollout_advance(
+        lambda: transitions.rollout_advance(
             actor=None, rollout_id=rollout.pk, reason="go", expected_revision=revision
         ),
-        lambda: services.rollout_rollback(
+        lambda: transitions.rollout_rollback(
             actor=None, rollout_id=rollout.pk, reason="stop", expected_revision=revision
         ),
     ]

@@ -8,7 +8,7 @@ import pytest
 
 from contracts.routing import parse_routing_table, routing_key
 from controlplane.audit.models import AuditEvent
-from controlplane.rollouts import services
+from controlplane.rollouts import deployments
 from controlplane.rollouts.models import Deployment, Rollout
 from controlplane.rollouts.tasks import analyze_all
 from tests.conftest import PYTHON, start_process, stop_process, wait_until
@@ -41,8 +41,10 @@ def actions(rollout_id: int) -> list[str]:
 def test_sigkill_mid_transition_then_the_next_pass_completes_it(
     tmp_path, versions, redis_client, attempt
 ) -> None:
-    deployment = services.deployment_create(actor=None, name="smollm2", stable_version=versions[0])
-    rollout = services.rollout_create(
+    deployment = deployments.deployment_create(
+        actor=None, name="smollm2", stable_version=versions[0]
+    )
+    rollout = deployments.rollout_create(
         actor=None, deployment=deployment, candidate=versions[1], reason="crash test"
     )
     log = tmp_path / "worker-1.log"

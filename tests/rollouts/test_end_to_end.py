@@ -42,7 +42,7 @@ from controlplane.fleet.models import Agent
 from controlplane.gateway.models import RequestSample
 from controlplane.registry import services as registry_services
 from controlplane.registry.models import EvalKind, EvalSuite, Evaluation, Model, SigningKey
-from controlplane.rollouts import services
+from controlplane.rollouts import deployments, transitions
 from controlplane.rollouts.models import ACTIVE_STATES, AnalysisRun, Deployment, Rollout
 from controlplane.tenants.services import api_key_create, tenant_create
 from tests.agent.test_agent_processes import (
@@ -277,7 +277,7 @@ def stack(committed_db, django_db_blocker, tmp_path_factory) -> Iterator[Stack]:
                     agent_args(name, free_port_pair(), settings.REDIS_URL, gateway.url, Holder()),
                 )
 
-            deployment = services.deployment_create(
+            deployment = deployments.deployment_create(
                 actor=None, name=DEPLOYMENT, stable_version=versions["f32"]
             )
             tenant = tenant_create(
@@ -328,7 +328,7 @@ def no_rollout_left_active(stack, django_db_blocker) -> Iterator[None]:
     yield
     with django_db_blocker.unblock():
         for rollout in Rollout.objects.filter(deployment=stack.deployment, state__in=ACTIVE_STATES):
-            services.rollout_abort(actor=None, rollout_id=rollout.pk, reason="e2e: test ended")
+            transitions.rollout_abort(actor=None, rollout_id=rollout.pk, reason="e2e: test ended")
 
 
 def audit_actions(rollout: Rollout) -> list[tuple[str, bool]]:
@@ -372,7 +372,7 @@ def test_a_healthy_candidate_is_promoted_through_every_stage(stack, django_db_bl
         candidate = stack.versions["bf16"]
         suite = quality_suite("quality-smoke", perplexity_max=1000.0, exact_match_min=0.5)
         traffic_start = stack.traffic.mark()
-        rollout = services.rollout_create(
+        rollout = deployments.rollout_create(
             actor=None,
             deployment=stack.deployment,
             candidate=candidate,
@@ -427,7 +427,7 @@ def test_b_a_faulty_candidate_is_rolled_back_automatically(stack, django_db_bloc
         baseline_id = stack.stable_id()
         candidate = stack.versions["drill"]
         traffic_start = stack.traffic.mark()
-        rollout = services.rollout_create(
+        rollout = deployments.rollout_create(
             actor=None,
             deployment=stack.deployment,
             candidate=candidate,
@@ -504,7 +504,7 @@ def test_c_a_candidate_failing_evaluation_never_receives_traffic(stack, django_d
         traffic_start, routing_start = stack.traffic.mark(), stack.monitor.mark()
         # Exact match of 1.01 cannot be reached: the suite fails whatever the answers.
         suite = quality_suite("quality-unreachable", perplexity_max=1000.0, exact_match_min=1.01)
-        rollout = services.rollout_create(
+        rollout = deployments.rollout_create(
             actor=None,
             deployment=stack.deployment,
             candidate=candidate,
@@ -536,7 +536,7 @@ def test_c_a_candidate_failing_evaluation_never_receives_traffic(stack, django_d
         rollout = Rollout.objects.get(pk=rollout.pk)
         assert rollout.state == "gating"
         assert rollout.gate_reasons == reasons
-        services.rollout_abort(actor=None, rollout_id=rollout.pk, reason="e2e: done")
+        transitions.rollout_abort(actor=None, rollout_id=rollout.pk, reason="e2e: done")
         wait_until(lambda: stack.routed() == {stable_id: 100}, timeout=30)
 
         # Never weighted in any routing table, never a request sample.

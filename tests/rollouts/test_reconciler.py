@@ -11,7 +11,7 @@ from contracts.routing import parse_routing_table, routing_key
 from contracts.streams import CommandKind, commands_stream, parse_command
 from controlplane.core.errors import DomainError
 from controlplane.fleet.models import Agent, AgentCommand
-from controlplane.rollouts import reconciler, services
+from controlplane.rollouts import deployments, reconciler, transitions
 from controlplane.rollouts.models import Deployment, Rollout
 from tests.rollouts.conftest import running_rollout
 
@@ -75,7 +75,7 @@ def test_reconcile_repairs_a_lost_write_and_is_idempotent(
     agent("gpu-0", versions[0])
     agent("gpu-1", versions[1])
     rollout = running_rollout(deployment, versions[1])
-    services.rollout_rollback(actor=None, rollout_id=rollout.pk, reason="drill")
+    transitions.rollout_rollback(actor=None, rollout_id=rollout.pk, reason="drill")
     # The transition committed but its reconcile never ran (a crash): Redis is stale or empty.
     redis_client.delete(routing_key("smollm2"))
     for _ in range(2):
@@ -125,7 +125,7 @@ def test_a_tenant_scoped_stage_splits_only_the_named_tenants(
     assert report.weights == {stable.pk: 100, candidate.pk: 0}
 
     # The next stage serves everyone: the tenant weights go.
-    services.rollout_advance(actor=None, rollout_id=rollout.pk, reason="test")
+    transitions.rollout_advance(actor=None, rollout_id=rollout.pk, reason="test")
     reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
     assert weights(redis_client) == {candidate.pk: (100, ("http://127.0.0.1:9001",))}
     assert table(redis_client).tenant_weights == {}
@@ -134,7 +134,7 @@ def test_a_tenant_scoped_stage_splits_only_the_named_tenants(
 def test_a_stage_naming_an_unknown_tenant_is_refused(deployment, versions, tenant) -> None:
     stages: list[dict[str, Any]] = [{"weight": 50, "tenants": ["acme", "nobody"]}, {"weight": 100}]
     with pytest.raises(DomainError) as refused:
-        services.rollout_create(
+        deployments.rollout_create(
             actor=None, deployment=deployment, candidate=versions[1], stages=stages, reason="t"
         )
     assert refused.value.code == "invalid_stages"

@@ -9,6 +9,7 @@ import pytest
 from controlplane.rollouts import webhooks
 from controlplane.rollouts.models import WebhookDelivery
 from controlplane.rollouts.tasks import webhook_deliver
+from controlplane.rollouts.transitions import TRANSITIONS
 from tests.rollouts.conftest import running_rollout
 
 SECRET = "s3cret-for-webhook-tests"
@@ -82,10 +83,8 @@ def test_a_transition_is_delivered_signed_and_only_once(
 def test_a_server_error_is_transient_and_a_client_error_is_final(
     deployment, versions, receiver
 ) -> None:
-    from controlplane.rollouts import services
-
     url, received, answers = receiver
-    services.webhook_endpoint_create(actor=None, name="ops", url=url, secret=SECRET, events=["*"])
+    webhooks.webhook_endpoint_create(actor=None, name="ops", url=url, secret=SECRET, events=["*"])
     running_rollout(deployment, versions[1])
     first, *_ = WebhookDelivery.objects.order_by("id")
     answers.extend([503, 404])
@@ -108,3 +107,8 @@ def test_signature_is_hmac_sha256_over_timestamp_and_body() -> None:
     assert header == f"t=1700000000,v1={expected}"
     assert webhooks.signature_verify(secret="k", header=header, body=b'{"a":1}', now=1700000100)
     assert not webhooks.signature_verify(secret="k", header=header, body=b'{"a":1}', now=1700001000)
+
+
+def test_every_rollout_event_can_be_subscribed_to() -> None:
+    actions = {spec.action for spec in TRANSITIONS.values()}
+    assert actions | {"rollout.create", "rollout.gate_blocked"} == set(webhooks.WEBHOOK_EVENTS)

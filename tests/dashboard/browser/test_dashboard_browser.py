@@ -12,7 +12,7 @@ from django.utils import timezone
 from controlplane.accounts.roles import Role
 from controlplane.audit.models import AuditEvent
 from controlplane.core.events import publish_event
-from controlplane.rollouts import services as rollout_services
+from controlplane.rollouts import hooks, transitions
 from controlplane.rollouts.models import AnalysisRun, Rollout, RolloutState
 from tests.dashboard.browser.conftest import off_loop, screenshot, wait_live
 from tests.dashboard.conftest import build_world
@@ -80,7 +80,7 @@ def test_stage_change_and_verdict_arrive_live_without_reload(open_page) -> None:
     assert page.get_attribute("[data-testid=rollout-stage]", "data-stage-index") == "0"
 
     off_loop(
-        rollout_services.rollout_advance,
+        transitions.rollout_advance,
         actor=world.users[Role.RELEASE_MANAGER],
         rollout_id=world.rollout.pk,
         reason="stage 1 held its SLOs",
@@ -105,9 +105,7 @@ def test_stage_change_and_verdict_arrive_live_without_reload(open_page) -> None:
         reasons=["error rate 0.113 is over the limit 0.05"],
         action="rollback",
     )
-    payload = rollout_services.rollout_event_payload(
-        rollout, "rollout.analysis", analysis_run_id=run.pk
-    )
+    payload = hooks.rollout_event_payload(rollout, "rollout.analysis", analysis_run_id=run.pk)
     off_loop(publish_event, "live.rollouts", "rollout.analysis", payload)
     page.wait_for_selector(f"tr[data-run='{run.pk}'] .verdict-fail", timeout=3000)
     page.wait_for_selector("#rollout-page[data-chart-runs='7']", timeout=3000)

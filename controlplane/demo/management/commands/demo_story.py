@@ -20,7 +20,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from contracts.routing import routing_key
 from controlplane.core.redis_clients import redis_client
 from controlplane.registry.models import ModelVersion
-from controlplane.rollouts import services as rollout_services
+from controlplane.rollouts import deployments
 from controlplane.rollouts.models import Deployment, Rollout
 
 # Sized for two CPU agents on one thread each: the demo traffic reaches about half a
@@ -73,7 +73,7 @@ class Command(BaseCommand):
 
         rollout = Rollout.objects.filter(deployment=deployment, candidate=candidate).first()
         if rollout is None:
-            rollout = rollout_services.rollout_create(
+            rollout = deployments.rollout_create(
                 actor=None,
                 deployment=deployment,
                 candidate=candidate,

@@ -27,7 +27,7 @@ from controlplane.accounts.roles import Role
 from controlplane.accounts.tokens import secret_hash
 from controlplane.registry import services as registry_services
 from controlplane.registry.models import Model, ModelVersion, SigningKey, Task, VersionStatus
-from controlplane.rollouts import services as rollout_services
+from controlplane.rollouts import deployments
 from controlplane.rollouts.models import Deployment
 from controlplane.tenants import services as tenant_services
 from controlplane.tenants.models import ApiKey, Tenant
@@ -147,7 +147,7 @@ class Command(BaseCommand):
         """The chat deployment tenants call as `model="smollm2"`, serving float32 as stable."""
         if Deployment.objects.filter(name=DEMO_DEPLOYMENT).exists():
             return
-        rollout_services.deployment_create(
+        deployments.deployment_create(
             actor=None, name=DEMO_DEPLOYMENT, stable_version=stable, reason="demo seed"
         )
 

@@ -1,0 +1,185 @@
+"""Every automatic decision on a running rollout, and the one place a rollback is decided.
+
+Three signals may end a canary without a person: the analysis tick (a verdict on a
+window of request samples), the hard-breach fast path (ingest sees the canary's last N
+requests fail) and the reconciler (every agent that served the canary is lost). Each
+decision here goes through the state machine with the revision it judged
+(compare-and-set), so two deciders racing change the rollout once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+
+from django.db import transaction
+
+from controlplane.core.errors import Conflict
+from controlplane.rollouts import analysis, hooks, selectors, transitions
+from controlplane.rollouts.models import AnalysisRun, Rollout, RolloutState
+from controlplane.rollouts.stages import rollout_policy
+
+
+@transaction.atomic
+def rollout_analyze(*, rollout_id: int, window_end: datetime) -> AnalysisRun | None:
+    """One analysis tick for a running rollout: record the run, then act on its verdict.
+
+    Idempotent per (rollout, attempt, window_end): a tick delivered twice finds its run
+    and changes nothing. Not running (paused, finished): nothing is recorded.
+    """
+    rollout = transitions.lock(rollout_id)
+    if rollout.state != RolloutState.RUNNING or rollout.stage_started_at is None:
+        return None
+    existing = AnalysisRun.objects.filter(
+        rollout=rollout, attempt=rollout.attempt, window_end=window_end
+    ).first()
+    if existing is not None:
+        return existing
+    policy = rollout_policy(rollout)
+    stage = rollout.current_stage or {}
+    window_start = max(rollout.stage_started_at, window_end - timedelta(seconds=policy.window_s))
+    tenants = stage.get("tenants") or None
+    # A full-weight stage sends the baseline nothing: its reference is its last window
+    # before the stage, and latency is judged by the absolute limits only (the canary now
+    # carries the baseline's share too, so a rank test would compare unequal loads).
+    full_weight = stage.get("weight") == 100
+    baseline_end = rollout.stage_started_at if full_weight else window_end
+    baseline_start = (
+        baseline_end - timedelta(seconds=policy.window_s) if full_weight else window_start
+    )
+    baseline = selectors.request_samples_window(
+        version_id=rollout.baseline_id, start=baseline_start, end=baseline_end, tenant_slugs=tenants
+    )
+    canary = selectors.request_samples_window(
+        version_id=rollout.candidate_id, start=window_start, end=window_end, tenant_slugs=tenants
+    )
+    canary_in_stage = selectors.request_count(
+        version_id=rollout.candidate_id, start=rollout.stage_started_at, end=window_end
+    )
+    result = analysis.analyze(
+        baseline=baseline, canary=canary, policy=policy, compare_latency=not full_weight
+    )
+    elapsed = (window_end - rollout.stage_started_at).total_seconds()
+    action = analysis.stage_decide(
+        verdict=result.verdict,
+        elapsed_s=elapsed,
+        canary_requests_in_stage=canary_in_stage,
+        min_duration_s=stage.get("min_duration_s", 0),
+        min_requests=stage.get("min_requests", 0),
+        extensions=rollout.stage_extensions,
+        policy=policy,
+    )
+    run = AnalysisRun.objects.create(
+        rollout=rollout,
+        stage_index=rollout.stage_index,
+        attempt=rollout.attempt,
+        window_start=window_start,
+        window_end=window_end,
+        baseline=result.baseline,
+        canary={**result.canary, "requests_in_stage": canary_in_stage},
+        tests=result.tests,
+        verdict=result.verdict.value,
+        reasons=result.reasons,
+        action=action.value,
+    )
+    summary = f"analysis {run.pk}: {result.verdict.value}: {'; '.join(result.reasons)}"
+    extra = {"analysis_run_id": run.pk, "verdict": result.verdict.value}
+    state, revision = RolloutState.RUNNING, rollout.revision  # as analyzed, or nothing
+    if action == analysis.Action.ROLLBACK:
+        transitions.rollout_rollback(
+            actor=None,
+            rollout_id=rollout.pk,
+            reason=summary,
+            extra=extra,
+            expected_state=state,
+            expected_revision=revision,
+        )
+    elif action == analysis.Action.ADVANCE:
+        transitions.rollout_advance(
+            actor=None,
+            rollout_id=rollout.pk,
+            reason=summary,
+            expected_state=state,
+            expected_revision=revision,
+        )
+    elif action == analysis.Action.FAIL:
+        transitions.rollout_fail(
+            actor=None,
+            rollout_id=rollout.pk,
+            reason=summary,
+            expected_state=state,
+            expected_revision=revision,
+        )
+    elif action == analysis.Action.HOLD:
+        transitions.rollout_pause(
+            actor=None,
+            rollout_id=rollout.pk,
+            reason=summary,
+            expected_state=state,
+            expected_revision=revision,
+        )
+    elif action == analysis.Action.EXTEND:
+        transitions.transition(
+            "extend",
+            actor=None,
+            rollout_id=rollout.pk,
+            reason=summary,
+            expected=transitions.Expected(state=state, revision=revision),
+        )
+    else:
+        hooks.publish_after_commit(rollout, "rollout.analysis", {"analysis_run_id": run.pk})
+    return run
+
+
+def rollout_check_hard_breach(
+    *, version_id: int, recent_errors: Sequence[bool] | None = None
+) -> Rollout | None:
+    """The fast path: roll back at once when the canary's last N requests breach the limit.
+
+    Ingest calls it after writing a batch of request samples, once per version in the
+    batch. Cheap when `version_id` is no running canary (one indexed query). Pass
+    `recent_errors` (oldest first) to judge those flags instead of reading the database.
+    Returns the rolled-back rollout, or None.
+    """
+    rollout = (
+        Rollout.objects.filter(candidate_id=version_id, state=RolloutState.RUNNING)
+        .only("id", "policy", "stage_started_at", "revision")
+        .first()
+    )
+    if rollout is None or rollout.stage_started_at is None:
+        return None
+    policy = rollout_policy(rollout)
+    if recent_errors is None:
+        recent_errors = selectors.recent_error_flags(
+            version_id=version_id, since=rollout.stage_started_at, limit=policy.hard_breach_window
+        )
+    breach = analysis.hard_breach(recent_errors=recent_errors, policy=policy)
+    if breach is None:
+        return None
+    try:
+        return transitions.rollout_rollback(
+            actor=None,
+            rollout_id=rollout.pk,
+            reason=breach,
+            expected_state=RolloutState.RUNNING,
+            extra={"hard_breach": True},
+        )
+    except Conflict:  # another caller rolled it back (or it moved on) first
+        return None
+
+
+def rollback_when_canary_lost(*, rollout_id: int, lost_agents: Sequence[str]) -> bool:
+    """The reconciler found no ready agent for the canary and every one that served it
+    lost: roll back now rather than wait for the analysis to see no traffic. Returns
+    whether this call rolled it back."""
+    try:
+        transitions.rollout_rollback(
+            actor=None,
+            rollout_id=rollout_id,
+            reason="hard breach: every canary agent is lost: " + ", ".join(lost_agents),
+            expected_state=RolloutState.RUNNING,
+            extra={"hard_breach": True},
+        )
+    except Conflict:  # another caller rolled it back (or it moved on) first
+        return False
+    return True

@@ -1,0 +1,86 @@
+"""A rollout's plan: its stages and its analysis policy, validated and normalized."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from controlplane.core.errors import DomainError
+from controlplane.rollouts import analysis
+from controlplane.rollouts.models import Rollout
+
+DEFAULT_STAGES: tuple[dict[str, Any], ...] = (
+    {"weight": 5, "min_duration_s": 60, "min_requests": 50, "tenants": []},
+    {"weight": 25, "min_duration_s": 60, "min_requests": 100, "tenants": []},
+    {"weight": 50, "min_duration_s": 60, "min_requests": 100, "tenants": []},
+    {"weight": 100, "min_duration_s": 60, "min_requests": 100, "tenants": []},
+)
+
+
+def stages_validate(stages: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Normalize a stage plan; raise DomainError("invalid_stages") naming the bad stage."""
+    if stages is None:
+        return [dict(stage) for stage in DEFAULT_STAGES]
+    if not isinstance(stages, list | tuple) or not stages:
+        raise DomainError("invalid_stages", "A stage plan is a non-empty list of stages.")
+    normalized: list[dict[str, Any]] = []
+    known = {"weight", "min_duration_s", "min_requests", "tenants"}
+    for index, stage in enumerate(stages):
+
+        def refuse(message: str, index: int = index) -> DomainError:
+            return DomainError(
+                "invalid_stages", f"Stage {index}: {message}", fields={"stages": {index: message}}
+            )
+
+        if not isinstance(stage, dict):
+            raise refuse("must be an object.")
+        unknown = sorted(set(stage) - known)
+        if unknown:
+            raise refuse(f"unknown fields {', '.join(unknown)}.")
+        weight = stage.get("weight")
+        if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= 100:
+            raise refuse("weight must be an integer from 1 to 100.")
+        duration = stage.get("min_duration_s", 60)
+        if isinstance(duration, bool) or not isinstance(duration, int | float) or duration < 0:
+            raise refuse("min_duration_s must be a number >= 0.")
+        requests = stage.get("min_requests", 0)
+        if isinstance(requests, bool) or not isinstance(requests, int) or requests < 0:
+            raise refuse("min_requests must be an integer >= 0.")
+        tenants = stage.get("tenants", [])
+        if not isinstance(tenants, list) or not all(isinstance(t, str) and t for t in tenants):
+            raise refuse("tenants must be a list of tenant slugs.")
+        normalized.append(
+            {
+                "weight": weight,
+                "min_duration_s": duration,
+                "min_requests": requests,
+                "tenants": sorted(set(tenants)),
+            }
+        )
+    if normalized[-1]["tenants"]:
+        raise DomainError(
+            "invalid_stages", "The last stage must serve every tenant (no tenant list)."
+        )
+    named = {slug for stage in normalized for slug in stage["tenants"]}
+    if named:
+        from controlplane.tenants.models import Tenant
+
+        unknown_slugs = named - set(
+            Tenant.objects.filter(slug__in=named).values_list("slug", flat=True)
+        )
+        if unknown_slugs:
+            raise DomainError(
+                "invalid_stages", f"Unknown tenants in stages: {', '.join(sorted(unknown_slugs))}."
+            )
+    return normalized
+
+
+def policy_validate(policy: dict[str, Any] | None) -> dict[str, Any]:
+    try:
+        return analysis.AnalysisPolicy.from_dict(policy).to_dict()
+    except (TypeError, ValueError) as exc:
+        raise DomainError("invalid_policy", str(exc), fields={"policy": [str(exc)]}) from exc
+
+
+def rollout_policy(rollout: Rollout) -> analysis.AnalysisPolicy:
+    return analysis.AnalysisPolicy.from_dict(rollout.policy)
