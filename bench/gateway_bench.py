@@ -605,7 +605,7 @@ def run_bench(
         _wait(lambda: _is_up(gateway_url, "/v1/models"), 60, "gateway", processes)
         _wait(lambda: _is_up(engine_url, "/health"), 180, "engine", processes)
 
-        from controlplane.gateway.services import routing_table_publish
+        from controlplane.rollouts.routing import routing_table_publish
 
         routing_table_publish(
             deployment=MODEL_NAME,

@@ -1,7 +1,6 @@
-"""Writes for the gateway: routing tables, cache invalidation, request ingest, energy."""
+"""Writes for the gateway: cache invalidation, request ingest, energy."""
 
 import logging
-import time
 from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -12,15 +11,7 @@ import redis
 from django.db import IntegrityError, connection, transaction
 
 from contracts.routing import (
-    ROUTING_CHANNEL,
-    ROUTING_INDEX_KEY,
-    Affinity,
     RequestRecord,
-    RoutingContractError,
-    RoutingTable,
-    VersionRoute,
-    routing_key,
-    routing_table_build,
 )
 from controlplane.core.errors import DomainError
 from controlplane.core.redis_clients import redis_client
@@ -33,63 +24,6 @@ logger = logging.getLogger(__name__)
 INVALIDATE_CHANNEL = "gateway:invalidate"
 
 K = TypeVar("K", bound=Hashable)
-
-
-def routing_table_publish(
-    *,
-    deployment: str,
-    model: str,
-    versions: Sequence[VersionRoute | Mapping[str, Any]],
-    affinity: Affinity | str = Affinity.NONE,
-    tenant_weights: Mapping[str, Mapping[int, int]] | None = None,
-    client: redis.Redis | None = None,
-) -> RoutingTable:
-    """Write the live routing table of a deployment and announce the change.
-
-    `versions`: each a VersionRoute or a mapping with version_id, label, weight (0..100),
-    endpoints (base URLs of ready agents) and max_model_len (0 or absent: not known).
-    `tenant_weights`: {tenant slug: {version_id: weight}} for the tenants of a
-    tenant-scoped stage. The rollouts reconciler calls this.
-    """
-    routes = [
-        item
-        if isinstance(item, VersionRoute)
-        else VersionRoute(
-            version_id=item["version_id"],
-            label=str(item.get("label", "")),
-            weight=item["weight"],
-            endpoints=tuple(item.get("endpoints", ())),
-            max_model_len=item.get("max_model_len", 0),
-        )
-        for item in versions
-    ]
-    client = client or redis_client()
-    try:
-        table = routing_table_build(
-            deployment=deployment,
-            model=model,
-            versions=routes,
-            affinity=affinity,
-            tenant_weights=tenant_weights,
-        )
-    except RoutingContractError as exc:
-        raise DomainError("invalid_routing", str(exc)) from exc
-    generation = int(client.incr(f"routing:generation:{deployment}"))
-    table = routing_table_build(
-        deployment=table.deployment,
-        model=table.model,
-        versions=table.versions,
-        affinity=table.affinity,
-        generation=generation,
-        published_at=time.time(),
-        tenant_weights=table.tenant_weights,
-    )
-    pipe = client.pipeline(transaction=True)
-    pipe.set(routing_key(deployment), table.to_json())
-    pipe.sadd(ROUTING_INDEX_KEY, deployment)
-    pipe.publish(ROUTING_CHANNEL, deployment)
-    pipe.execute()
-    return table
 
 
 def gateway_cache_invalidate(

@@ -25,11 +25,11 @@ from contracts.routing import (
 from controlplane.core.errors import DomainError
 from controlplane.core.redis_clients import redis_client
 from controlplane.fleet.models import Agent, AgentCommand, AgentState, CommandKind, CommandStatus
-from controlplane.gateway.services import routing_table_publish
 from controlplane.registry.models import ModelVersion
 from controlplane.registry.serving import context_length
 from controlplane.rollouts import decisions
 from controlplane.rollouts.models import Deployment, Rollout, RolloutState
+from controlplane.rollouts.routing import routing_table_publish
 
 logger = logging.getLogger(__name__)
 
@@ -56,25 +56,6 @@ def _is_ready(agent: Agent, version_id: int, fresh_after: Any) -> bool:
         and agent.last_seen is not None
         and agent.last_seen >= fresh_after
     )
-
-
-def routing_publish(
-    *,
-    client: redis.Redis,
-    deployment: str,
-    model: str,
-    versions: list[VersionRoute],
-    tenant_weights: dict[str, dict[int, int]] | None = None,
-) -> int:
-    """Write `routing:<deployment>` through the gateway's publisher; returns the generation."""
-    table = routing_table_publish(
-        deployment=deployment,
-        model=model,
-        versions=versions,
-        tenant_weights=tenant_weights,
-        client=client,
-    )
-    return table.generation
 
 
 def reconcile_deployment(
@@ -182,7 +163,7 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
         if tenants and canary_id is not None and effective > 0
         else {}
     )
-    routing_publish(
+    routing_table_publish(
         client=client,
         deployment=deployment.name,
         model=deployment.stable_version.model.name,

@@ -11,10 +11,10 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from controlplane.gateway.models import RequestSample
-from controlplane.gateway.services import routing_table_publish
 from controlplane.registry.models import ModelVersion
 from controlplane.rollouts import deployments, transitions
 from controlplane.rollouts.models import Rollout
+from controlplane.rollouts.routing import routing_table_publish
 from controlplane.tenants.models import UsageRecord
 from tests.gateway.conftest import (
     client_for,

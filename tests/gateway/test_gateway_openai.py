@@ -10,7 +10,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from contracts.routing import REQUESTS_STREAM
 from controlplane.gateway.models import RequestSample
-from controlplane.gateway.services import routing_table_publish
+from controlplane.rollouts.routing import routing_table_publish
 from controlplane.tenants.models import UsageRecord
 from tests.conftest import wait_until
 from tests.gateway.conftest import (

@@ -8,7 +8,7 @@ from django.utils import timezone
 from openai.types.chat import ChatCompletionMessageParam
 
 from controlplane.gateway.app import KEY_TOUCH_FLUSH_S
-from controlplane.gateway.services import routing_table_publish
+from controlplane.rollouts.routing import routing_table_publish
 from controlplane.tenants.models import ApiKey
 from controlplane.tenants.services import api_key_touch
 from tests.conftest import wait_until
