@@ -363,15 +363,15 @@ def cpu_text(cpu_us: dict[str, float | None]) -> str:
 # an indented label is a part of the one above it, the last cuts across all of them.
 PHASES = [
     ("Redis read (XREADGROUP, reply parsing)", "redis/commands/core.py", "xreadgroup"),
-    ("parse + validate entries", "fleet/ingest.py", "parse"),
-    ("apply each batch", "fleet/ingest.py", "apply"),
+    ("parse + validate entries", "telemetry/ingest.py", "parse"),
+    ("apply each batch", "telemetry/ingest.py", "apply"),
     ("  lock agents (SELECT ... FOR UPDATE)", "fleet/services.py", "_lock_agents"),
     ("  update agents (UPDATE ... FROM json_to_recordset)", "fleet/services.py", "_update_agents"),
     ("  upsert rollups (INSERT ... ON CONFLICT)", "fleet/services.py", "_upsert_samples"),
     ("  of those three, encoding rows as JSON", "json/encoder.py", "encode"),
     ("  commit", "django/db/transaction.py", "__exit__"),
     ("Redis ack (XACK)", "redis/commands/core.py", "xack"),
-    ("ticker (lost check, live figures, retention)", "fleet/ingest.py", "__call__"),
+    ("ticker (lost check, live figures, retention)", "telemetry/ingest.py", "__call__"),
     ("waiting on PostgreSQL, in all of the above", "psycopg/connection.py", "wait"),
 ]
 
@@ -394,8 +394,8 @@ def profile_ingest(
     """Drain a backlog with the ingest handlers in this process under cProfile."""
     from contracts.streams import INGEST_GROUP
     from controlplane.core.redis_clients import stream_reader
-    from controlplane.core.streams import StreamIngestor
-    from controlplane.fleet.ingest import ingest_ticker, stream_handlers
+    from controlplane.telemetry.ingest import ingest_ticker, stream_handlers
+    from controlplane.telemetry.streams import StreamIngestor
 
     publish_backlog(redis_url, names, count, first_seq=2_000_000)
     client = stream_reader(redis_url)

@@ -59,6 +59,7 @@ INSTALLED_APPS = [
     "controlplane.fleet",
     "controlplane.rollouts",
     "controlplane.gateway",
+    "controlplane.telemetry",
     "controlplane.dashboard",
     "controlplane.demo",
 ]
@@ -268,8 +269,8 @@ GATEWAY_SPOOL_RETRY_S = float(os.environ.get("GATEWAY_SPOOL_RETRY_S", "2"))
 # Tokens reserved against tokens_per_minute for a request without max_tokens.
 GATEWAY_DEFAULT_COMPLETION_TOKENS = int(os.environ.get("GATEWAY_DEFAULT_COMPLETION_TOKENS", "256"))
 # Settled fleet energy rollups are attributed to tenants by tokens this often.
-CELERY_BEAT_SCHEDULE["gateway-attribute-energy"] = {
-    "task": "gateway.attribute_energy",
+CELERY_BEAT_SCHEDULE["telemetry-attribute-energy"] = {
+    "task": "telemetry.attribute_energy",
     "schedule": 30.0,
 }
 

@@ -44,6 +44,12 @@ class Conflict(DomainError):
     status_code = status.HTTP_409_CONFLICT
 
 
+class Unavailable(DomainError):
+    """A store the write needs (Redis, an agent) did not answer: worth retrying."""
+
+    status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+
+
 class Forbidden(DomainError):
     status_code = status.HTTP_403_FORBIDDEN
 

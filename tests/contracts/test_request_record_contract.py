@@ -144,7 +144,7 @@ def test_whatever_comes_in_is_a_storable_record_or_a_named_refusal(changes: dict
 def test_a_record_at_every_bound_is_stored_by_ingest() -> None:
     """The bounds are the columns': what the contract accepts, the database takes."""
     from controlplane.gateway.models import PromptRecord, RequestSample
-    from controlplane.gateway.services import request_records_apply
+    from controlplane.telemetry.usage import request_records_apply
     from controlplane.tenants.models import UsageRecord
     from tests.gateway.conftest import make_setup
 

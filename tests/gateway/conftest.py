@@ -25,10 +25,10 @@ from openai.types import Completion, CompletionUsage
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from contracts.routing import REQUESTS_STREAM, RequestRecord, parse_request_record
-from controlplane.core.streams import StreamIngestor
-from controlplane.gateway.ingest import RequestsStreamHandler
 from controlplane.registry.models import Artifact, Model, ModelVersion
 from controlplane.rollouts.routing import routing_table_publish
+from controlplane.telemetry.requests import RequestsStreamHandler
+from controlplane.telemetry.streams import StreamIngestor
 from controlplane.tenants.models import Tenant
 from controlplane.tenants.services import api_key_create, tenant_create
 from tests.conftest import PYTHON, start_process, stop_process, wait_until

@@ -14,8 +14,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from controlplane.core.redis_clients import stream_reader
-from controlplane.core.streams import StreamIngestor
-from controlplane.fleet.ingest import ingest_ticker, stream_handlers
+from controlplane.telemetry.ingest import ingest_ticker, stream_handlers
+from controlplane.telemetry.streams import StreamIngestor
 
 logger = logging.getLogger(__name__)
 

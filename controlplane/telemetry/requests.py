@@ -5,9 +5,9 @@ from collections.abc import Mapping, Sequence
 
 from contracts.routing import RequestRecord, RoutingContractError, parse_request_record
 from controlplane.core.events import publish_event, tenant_live_group
-from controlplane.core.streams import MalformedEntry
-from controlplane.gateway.services import request_records_apply
 from controlplane.rollouts.decisions import rollout_check_hard_breach
+from controlplane.telemetry.streams import MalformedEntry
+from controlplane.telemetry.usage import request_records_apply
 
 logger = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from contracts.streams import (
 )
 from controlplane.audit.models import AuditEvent
 from controlplane.core.redis_clients import stream_reader
-from controlplane.core.streams import StreamIngestor
 from controlplane.fleet import selectors, services
-from controlplane.fleet.ingest import FleetTicker, HeartbeatHandler, LiveFleet, stream_handlers
 from controlplane.fleet.models import Agent, AgentCommand, AgentSample
+from controlplane.telemetry.ingest import FleetTicker, HeartbeatHandler, LiveFleet, stream_handlers
+from controlplane.telemetry.streams import StreamIngestor
 from tests.fleet.support import heartbeat, publish, register
 
 pytestmark = pytest.mark.django_db

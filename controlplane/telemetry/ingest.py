@@ -4,7 +4,7 @@ Domain apps add theirs here as their streams come to exist (heartbeats, requests
 
 - `telemetry:heartbeats` -> HeartbeatHandler: agents' state and figures, 10-second rollups.
 - `agent:results` -> CommandResultHandler: the outcome of each command.
-- `telemetry:requests` -> controlplane.gateway.ingest.RequestsStreamHandler (usage, SLO
+- `telemetry:requests` -> controlplane.telemetry.requests.RequestsStreamHandler (usage, SLO
   samples, the rollout fast path).
 - `FleetTicker` (the ingestor's on_tick): marks silent agents `lost`, publishes the live
   figures at most once a second, prunes old rollups.
@@ -30,9 +30,9 @@ from contracts.streams import (
     parse_command_result,
     parse_heartbeat,
 )
-from controlplane.core.streams import MalformedEntry, StreamHandler
 from controlplane.fleet import services
-from controlplane.fleet.services import ReceivedHeartbeat
+from controlplane.telemetry.heartbeats import ReceivedHeartbeat, compact_figures, heartbeats_apply
+from controlplane.telemetry.streams import MalformedEntry, StreamHandler
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class HeartbeatHandler:
         return ReceivedHeartbeat(heartbeat=heartbeat, received_at=entry_time(entry_id))
 
     def apply(self, items: Sequence[ReceivedHeartbeat]) -> None:
-        outcome = services.heartbeats_apply(received=items)
+        outcome = heartbeats_apply(received=items)
         newest = max(item.received_at for item in items)
         self.live.lag_s = max(0.0, time.time() - newest.timestamp())
         HEARTBEAT_LAG.set(self.live.lag_s)
@@ -155,7 +155,7 @@ class FleetTicker:
             services.fleet_event_publish(
                 "fleet.figures",
                 {
-                    "agents": {name: services.compact_figures(heartbeats[name]) for name in names},
+                    "agents": {name: compact_figures(heartbeats[name]) for name in names},
                     "truncated": len(heartbeats) > len(names),
                 },
             )
@@ -172,7 +172,7 @@ LIVE = LiveFleet()
 def stream_handlers() -> dict[str, StreamHandler]:
     # The gateway's handler lives with the gateway; imported here, when ingest starts.
     from contracts.routing import REQUESTS_STREAM
-    from controlplane.gateway.ingest import RequestsStreamHandler
+    from controlplane.telemetry.requests import RequestsStreamHandler
 
     return {
         HEARTBEATS_STREAM: HeartbeatHandler(LIVE),

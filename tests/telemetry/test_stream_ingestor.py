@@ -5,7 +5,7 @@ from collections.abc import Mapping, Sequence
 import pytest
 from prometheus_client import REGISTRY
 
-from controlplane.core.streams import MalformedEntry, StreamIngestor
+from controlplane.telemetry.streams import MalformedEntry, StreamIngestor
 
 STREAM = "test:events"
 

@@ -13,9 +13,9 @@ from django.db import InterfaceError, connection, transaction
 from prometheus_client import REGISTRY
 
 from contracts.routing import REQUESTS_STREAM, RequestRecord
-from controlplane.core.streams import StreamIngestor
-from controlplane.gateway.ingest import RequestsStreamHandler
 from controlplane.gateway.models import PromptRecord, RequestSample
+from controlplane.telemetry.requests import RequestsStreamHandler
+from controlplane.telemetry.streams import StreamIngestor
 from controlplane.tenants.models import UsageRecord
 from tests.gateway.conftest import make_setup
 
@@ -157,7 +157,7 @@ def test_entries_the_database_refuses_are_dropped_and_the_rest_applied(
     ingestor = make_ingestor(redis_client, UncheckedHandler(), batch_size=batch_size)
     before = counters()
 
-    with caplog.at_level(logging.WARNING, logger="controlplane.core.streams"):
+    with caplog.at_level(logging.WARNING, logger="controlplane.telemetry.streams"):
         drain(ingestor)
 
     assert sorted(RequestSample.objects.values_list("request_id", flat=True)) == sorted(
