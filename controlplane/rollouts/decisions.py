@@ -19,6 +19,15 @@ from controlplane.rollouts import analysis, hooks, selectors, transitions
 from controlplane.rollouts.models import AnalysisRun, Rollout, RolloutState
 from controlplane.rollouts.stages import rollout_policy
 
+# The transition each stage decision runs (wait runs none).
+TRANSITION_OF = {
+    analysis.Action.ADVANCE: "advance",
+    analysis.Action.ROLLBACK: "rollback",
+    analysis.Action.EXTEND: "extend",
+    analysis.Action.FAIL: "fail",
+    analysis.Action.HOLD: "pause",
+}
+
 
 @transaction.atomic
 def rollout_analyze(*, rollout_id: int, window_end: datetime) -> AnalysisRun | None:
@@ -84,50 +93,19 @@ def rollout_analyze(*, rollout_id: int, window_end: datetime) -> AnalysisRun | N
     )
     summary = f"analysis {run.pk}: {result.verdict.value}: {'; '.join(result.reasons)}"
     extra = {"analysis_run_id": run.pk, "verdict": result.verdict.value}
-    state, revision = RolloutState.RUNNING, rollout.revision  # as analyzed, or nothing
-    if action == analysis.Action.ROLLBACK:
-        transitions.rollout_rollback(
-            actor=None,
-            rollout_id=rollout.pk,
-            reason=summary,
-            extra=extra,
-            expected_state=state,
-            expected_revision=revision,
-        )
-    elif action == analysis.Action.ADVANCE:
-        transitions.rollout_advance(
-            actor=None,
-            rollout_id=rollout.pk,
-            reason=summary,
-            expected_state=state,
-            expected_revision=revision,
-        )
-    elif action == analysis.Action.FAIL:
-        transitions.rollout_fail(
-            actor=None,
-            rollout_id=rollout.pk,
-            reason=summary,
-            expected_state=state,
-            expected_revision=revision,
-        )
-    elif action == analysis.Action.HOLD:
-        transitions.rollout_pause(
-            actor=None,
-            rollout_id=rollout.pk,
-            reason=summary,
-            expected_state=state,
-            expected_revision=revision,
-        )
-    elif action == analysis.Action.EXTEND:
-        transitions.transition(
-            "extend",
-            actor=None,
-            rollout_id=rollout.pk,
-            reason=summary,
-            expected=transitions.Expected(state=state, revision=revision),
-        )
-    else:
+    name = TRANSITION_OF.get(action)
+    if name is None:  # wait: nothing changes but the charts
         hooks.publish_after_commit(rollout, "rollout.analysis", {"analysis_run_id": run.pk})
+        return run
+    transitions.transition(
+        name,
+        actor=None,
+        rollout_id=rollout.pk,
+        reason=summary,
+        # As analyzed, or nothing: a person's action in between wins.
+        expected=transitions.Expected(state=RolloutState.RUNNING, revision=rollout.revision),
+        extra=extra if action == analysis.Action.ROLLBACK else None,
+    )
     return run
 
 
