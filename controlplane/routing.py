@@ -2,7 +2,7 @@
 
 from django.urls import path
 
-from controlplane.core.consumers import LiveUpdatesConsumer
+from controlplane.dashboard.consumers import LiveUpdatesConsumer
 
 websocket_urlpatterns = [
     path("ws/live/", LiveUpdatesConsumer.as_asgi()),

@@ -50,7 +50,6 @@ from controlplane.gateway.metering import (
 from controlplane.gateway.ratelimit import Admission, Headroom, token_reservation
 from controlplane.gateway.recorder import KeyUses, RedisBatcher, keys_touch
 from controlplane.gateway.selectors import KeyGrant
-from controlplane.gateway.services import INVALIDATE_CHANNEL
 from controlplane.gateway.spool import Spool
 from controlplane.gateway.upstream import (
     UpstreamConnectError,
@@ -59,7 +58,7 @@ from controlplane.gateway.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
-from controlplane.tenants.services import api_key_touch
+from controlplane.tenants.services import INVALIDATE_CHANNEL, api_key_touch
 
 logger = logging.getLogger(__name__)
 

@@ -11,13 +11,16 @@ from django.utils import timezone
 from controlplane.accounts.tokens import secret_generate, secret_hash, secret_visible_prefix
 from controlplane.audit.services import Actor, acting_user, audit_event_record
 from controlplane.core.errors import Conflict, DomainError
-from controlplane.gateway.services import gateway_cache_invalidate
+from controlplane.core.redis_clients import redis_client
 from controlplane.registry.models import Model
 from controlplane.tenants.models import ApiKey, ApiKeyScope, PromptLogging, Tenant
 
 logger = logging.getLogger(__name__)
 
 API_KEY_PREFIX = "sk-"
+# Gateways cache key grants and limits; a message here makes them forget a tenant's
+# ("tenant:<id>") or everyone's ("all") at once.
+INVALIDATE_CHANNEL = "gateway:invalidate"
 
 TENANT_FIELDS = (
     "name",
@@ -36,10 +39,13 @@ def _gateway_forget_tenant(tenant_id: int) -> None:
     """
 
     def announce() -> None:
+        client = redis_client()
         try:
-            gateway_cache_invalidate(tenant_id=tenant_id)
+            client.publish(INVALIDATE_CHANNEL, f"tenant:{tenant_id}")
         except redis.RedisError:
             logger.warning("gateway cache invalidation not sent", extra={"tenant": tenant_id})
+        finally:
+            client.close()
 
     transaction.on_commit(announce)
 

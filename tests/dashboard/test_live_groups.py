@@ -11,8 +11,8 @@ from django.test import Client
 from controlplane.accounts.roles import Role
 from controlplane.accounts.services import user_create
 from controlplane.asgi import application
-from controlplane.core.consumers import live_groups_for_user, tenant_live_group
 from controlplane.core.events import publish_event
+from controlplane.dashboard.consumers import live_groups_for_user, tenant_live_group
 from controlplane.tenants.models import Tenant
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -129,12 +129,14 @@ def start_gateway(log_dir: Path, spool_dir: Path, **env: str) -> GatewayProcess:
             "warning",
         ],
         log,
-        GATEWAY_SPOOL_DIR=str(spool_dir),
-        GATEWAY_SPOOL_RETRY_S="0.2",
-        GATEWAY_ROUTING_REFRESH_S="1",
-        GATEWAY_KEY_CACHE_TTL_S="2",
-        PYTHONFAULTHANDLER="1",  # SIGABRT prints every thread's stack (stop_gateway)
-        **env,
+        **{
+            "GATEWAY_SPOOL_DIR": str(spool_dir),
+            "GATEWAY_SPOOL_RETRY_S": "0.2",
+            "GATEWAY_ROUTING_REFRESH_S": "1",
+            "GATEWAY_KEY_CACHE_TTL_S": "2",
+            "PYTHONFAULTHANDLER": "1",  # SIGABRT prints every thread's stack (stop_gateway)
+            **env,  # the test's own settings win
+        },
     )
     url = f"http://127.0.0.1:{port}"
 

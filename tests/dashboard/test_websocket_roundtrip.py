@@ -13,8 +13,8 @@ from django.test import Client
 from controlplane.accounts.roles import Role
 from controlplane.accounts.services import user_create
 from controlplane.asgi import application
-from controlplane.core.consumers import UNAUTHENTICATED_CLOSE_CODE
 from controlplane.core.events import AUDIT_LIVE_GROUP, publish_event
+from controlplane.dashboard.consumers import UNAUTHENTICATED_CLOSE_CODE
 
 
 def _session_cookie_for_new_user() -> str:
