@@ -14,7 +14,7 @@ from django import forms
 from django.db.models import QuerySet
 
 from controlplane.accounts import access
-from controlplane.rollouts.models import ACTIVE_STATES, AnalysisRun, Rollout, RolloutState
+from controlplane.rollouts.models import ACTIVE_STATES, AnalysisRun, Rollout, RolloutState, Stage
 
 # Rollouts.
 
@@ -68,14 +68,15 @@ def rollout_actions(user: Any, rollout: Rollout) -> list[dict[str, Any]]:
 def stage_label(rollout: Rollout) -> str:
     stage = rollout.current_stage
     if rollout.state in {RolloutState.RUNNING, RolloutState.PAUSED} and stage is not None:
-        return f"{rollout.stage_index + 1}/{len(rollout.stages)} at {stage.get('weight', 0)}%"
+        return f"{rollout.stage_index + 1}/{len(rollout.stages)} at {stage['weight']}%"
     return f"0/{len(rollout.stages)}" if rollout.state in ACTIVE_STATES else "-"
 
 
 def stage_plan(rollout: Rollout) -> list[dict[str, Any]]:
     is_on_stages = rollout.state in {RolloutState.RUNNING, RolloutState.PAUSED}
     plan = []
-    for index, stage in enumerate(rollout.stages):
+    stages: list[Stage] = rollout.stages
+    for index, stage in enumerate(stages):
         is_passed = is_on_stages and index < rollout.stage_index
         if rollout.state == RolloutState.PROMOTED or is_passed:
             position = "done"
@@ -87,10 +88,7 @@ def stage_plan(rollout: Rollout) -> list[dict[str, Any]]:
             {
                 "index": index,
                 "number": index + 1,
-                "weight": stage.get("weight", 0),
-                "min_duration_s": stage.get("min_duration_s", 0),
-                "min_requests": stage.get("min_requests", 0),
-                "tenants": stage.get("tenants") or [],
+                **stage,
                 "position": position,
             }
         )

@@ -37,7 +37,8 @@ def rollout_analyze(*, rollout_id: int, window_end: datetime) -> AnalysisRun | N
     and changes nothing. Not running (paused, finished): nothing is recorded.
     """
     rollout = transitions.lock(rollout_id)
-    if rollout.state != RolloutState.RUNNING or rollout.stage_started_at is None:
+    stage = rollout.current_stage
+    if rollout.state != RolloutState.RUNNING or rollout.stage_started_at is None or stage is None:
         return None
     existing = AnalysisRun.objects.filter(
         rollout=rollout, attempt=rollout.attempt, window_end=window_end
@@ -45,13 +46,12 @@ def rollout_analyze(*, rollout_id: int, window_end: datetime) -> AnalysisRun | N
     if existing is not None:
         return existing
     policy = rollout_policy(rollout)
-    stage = rollout.current_stage or {}
     window_start = max(rollout.stage_started_at, window_end - timedelta(seconds=policy.window_s))
-    tenants = stage.get("tenants") or None
+    tenants = stage["tenants"] or None
     # A full-weight stage sends the baseline nothing: its reference is its last window
     # before the stage, and latency is judged by the absolute limits only (the canary now
     # carries the baseline's share too, so a rank test would compare unequal loads).
-    full_weight = stage.get("weight") == 100
+    full_weight = stage["weight"] == 100
     baseline_end = rollout.stage_started_at if full_weight else window_end
     baseline_start = (
         baseline_end - timedelta(seconds=policy.window_s) if full_weight else window_start
@@ -73,8 +73,8 @@ def rollout_analyze(*, rollout_id: int, window_end: datetime) -> AnalysisRun | N
         verdict=result.verdict,
         elapsed_s=elapsed,
         canary_requests_in_stage=canary_in_stage,
-        min_duration_s=stage.get("min_duration_s", 0),
-        min_requests=stage.get("min_requests", 0),
+        min_duration_s=stage["min_duration_s"],
+        min_requests=stage["min_requests"],
         extensions=rollout.stage_extensions,
         policy=policy,
     )

@@ -6,7 +6,7 @@ bumped on every change) is what the reconciler makes true in Redis and on the ag
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from django.db import IntegrityError, transaction
@@ -16,7 +16,13 @@ from controlplane.audit.services import Actor, acting_user, audit_event_record
 from controlplane.core.errors import Conflict, DomainError
 from controlplane.registry.models import DEPLOYABLE_STATUSES, EvalSuite, ModelVersion
 from controlplane.rollouts import hooks
-from controlplane.rollouts.models import ACTIVE_STATES, Deployment, Rollout, RolloutState
+from controlplane.rollouts.models import (
+    ACTIVE_STATES,
+    Deployment,
+    DesiredRouting,
+    Rollout,
+    RolloutState,
+)
 from controlplane.rollouts.stages import policy_validate, stages_validate
 
 
@@ -61,7 +67,7 @@ def check_deployable(version: ModelVersion, *, field: str) -> None:
         )
 
 
-def _desired_routing(deployment: Deployment, rollout: Rollout | None) -> dict[str, Any]:
+def _desired_routing(deployment: Deployment, rollout: Rollout | None) -> DesiredRouting:
     canary_id = None
     weight = 0
     tenants: list[str] = []
@@ -107,7 +113,7 @@ def rollout_create(
     actor: Actor,
     deployment: Deployment,
     candidate: ModelVersion,
-    stages: list[dict[str, Any]] | None = None,
+    stages: Sequence[Mapping[str, Any]] | None = None,
     policy: dict[str, Any] | None = None,
     required_suites: Sequence[EvalSuite] = (),
     reason: str = "",

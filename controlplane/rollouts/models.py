@@ -6,10 +6,29 @@ match. Every rollout transition rewrites the desired routing and bumps the revis
 the same transaction as the state change and its audit event.
 """
 
-from typing import Any
+from typing import Any, TypedDict
 
 from django.conf import settings
 from django.db import models
+
+
+class Stage(TypedDict):
+    """One stage of a rollout's plan (`Rollout.stages`), as stages.stages_validate keeps it."""
+
+    weight: int  # percent of requests to the candidate, 1-100
+    min_duration_s: float
+    min_requests: int
+    tenants: list[str]  # tenant slugs the stage applies to; [] = every tenant
+
+
+class DesiredRouting(TypedDict):
+    """`Deployment.desired_routing`: what the reconciler makes Redis and the agents match."""
+
+    stable_version_id: int
+    canary_version_id: int | None
+    canary_weight: int  # 0-100
+    canary_tenants: list[str]  # [] = every tenant
+    preload_version_ids: list[int]  # versions an agent must serve (the candidate while gating)
 
 
 class RolloutState(models.TextChoices):
@@ -37,9 +56,7 @@ class Deployment(models.Model):
     stable_version = models.ForeignKey(
         "registry.ModelVersion", on_delete=models.PROTECT, related_name="stable_deployments"
     )
-    # {"stable_version_id", "canary_version_id", "canary_weight" (0-100),
-    #  "canary_tenants" ([] = every tenant), "preload_version_ids"}
-    desired_routing = models.JSONField(default=dict)
+    desired_routing = models.JSONField(default=dict)  # a DesiredRouting
     # Bumped on every change of desired_routing; the routing table carries it.
     routing_revision = models.PositiveBigIntegerField(default=0)
     # The revision the reconciler last published to Redis.
@@ -63,7 +80,7 @@ class Rollout(models.Model):
         "registry.ModelVersion", on_delete=models.PROTECT, related_name="rollouts_as_candidate"
     )
     # [{"weight": 5, "min_duration_s": 60, "min_requests": 50, "tenants": []}, ...]
-    stages = models.JSONField()
+    stages = models.JSONField()  # a list of Stage
     policy = models.JSONField(default=dict)  # analysis.AnalysisPolicy fields
     required_suites = models.ManyToManyField("registry.EvalSuite", blank=True, related_name="+")
     state = models.CharField(
@@ -103,17 +120,23 @@ class Rollout(models.Model):
         return f"rollout {self.pk} of {self.deployment_id}: {self.state}"
 
     @property
-    def current_stage(self) -> dict[str, Any] | None:
+    def current_stage(self) -> Stage | None:
         if 0 <= self.stage_index < len(self.stages):
             return self.stages[self.stage_index]
         return None
+
+    @property
+    def stage_weight(self) -> int | None:
+        """The current stage's canary weight (percent); None past the plan."""
+        stage = self.current_stage
+        return stage["weight"] if stage is not None else None
 
     def snapshot(self) -> dict[str, Any]:
         """The fields an audit event records before and after a transition."""
         return {
             "state": self.state,
             "stage_index": self.stage_index,
-            "canary_weight": (self.current_stage or {}).get("weight")
+            "canary_weight": self.stage_weight
             if self.state in {RolloutState.RUNNING, RolloutState.PAUSED}
             else None,
             "revision": self.revision,

@@ -28,7 +28,7 @@ from controlplane.fleet.models import Agent, AgentCommand, AgentState, CommandKi
 from controlplane.registry.models import ModelVersion
 from controlplane.registry.serving import context_length
 from controlplane.rollouts import decisions
-from controlplane.rollouts.models import Deployment, Rollout, RolloutState
+from controlplane.rollouts.models import Deployment, DesiredRouting, Rollout, RolloutState
 from controlplane.rollouts.routing import routing_table_publish
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def reconcile_deployment(
 def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
     # Re-read inside the lock: the newest committed desired routing wins.
     deployment = Deployment.objects.select_related("stable_version__model").get(pk=deployment_id)
-    desired = deployment.desired_routing
+    desired: DesiredRouting = deployment.desired_routing
     report = ReconcileReport(deployment=deployment.name, revision=deployment.routing_revision)
     now = timezone.now()
     fresh_after = now - timedelta(seconds=settings.ROLLOUTS_AGENT_FRESH_S)
@@ -191,7 +191,7 @@ def _needed_versions() -> set[int]:
 
 def _converge_agents(
     deployment: Deployment,
-    desired: dict[str, Any],
+    desired: DesiredRouting,
     agents: list[Agent],
     fresh_after: Any,
     client: redis.Redis,

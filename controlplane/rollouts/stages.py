@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from controlplane.core.errors import DomainError
 from controlplane.rollouts import analysis
-from controlplane.rollouts.models import Rollout
+from controlplane.rollouts.models import Rollout, Stage
 
-DEFAULT_STAGES: tuple[dict[str, Any], ...] = (
+DEFAULT_STAGES: tuple[Stage, ...] = (
     {"weight": 5, "min_duration_s": 60, "min_requests": 50, "tenants": []},
     {"weight": 25, "min_duration_s": 60, "min_requests": 100, "tenants": []},
     {"weight": 50, "min_duration_s": 60, "min_requests": 100, "tenants": []},
@@ -17,13 +17,13 @@ DEFAULT_STAGES: tuple[dict[str, Any], ...] = (
 )
 
 
-def stages_validate(stages: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
+def stages_validate(stages: Sequence[Mapping[str, Any]] | None) -> list[Stage]:
     """Normalize a stage plan; raise DomainError("invalid_stages") naming the bad stage."""
     if stages is None:
-        return [dict(stage) for stage in DEFAULT_STAGES]
+        return [Stage(**stage) for stage in DEFAULT_STAGES]  # copies: callers may change them
     if not isinstance(stages, list | tuple) or not stages:
         raise DomainError("invalid_stages", "A stage plan is a non-empty list of stages.")
-    normalized: list[dict[str, Any]] = []
+    normalized: list[Stage] = []
     known = {"weight", "min_duration_s", "min_requests", "tenants"}
     for index, stage in enumerate(stages):
 
@@ -50,12 +50,12 @@ def stages_validate(stages: Sequence[dict[str, Any]] | None) -> list[dict[str, A
         if not isinstance(tenants, list) or not all(isinstance(t, str) and t for t in tenants):
             raise refuse("tenants must be a list of tenant slugs.")
         normalized.append(
-            {
-                "weight": weight,
-                "min_duration_s": duration,
-                "min_requests": requests,
-                "tenants": sorted(set(tenants)),
-            }
+            Stage(
+                weight=weight,
+                min_duration_s=duration,
+                min_requests=requests,
+                tenants=sorted(set(tenants)),
+            )
         )
     if normalized[-1]["tenants"]:
         raise DomainError(

@@ -90,7 +90,7 @@ class Command(BaseCommand):
             rollout.refresh_from_db()
             now = (rollout.state, rollout.stage_index)
             if now != last:
-                weight = (rollout.current_stage or {}).get("weight")
+                weight = rollout.stage_weight
                 self._say(
                     f"rollout {rollout.pk}: {rollout.state}, stage {rollout.stage_index + 1}"
                     f"/{len(rollout.stages)} (canary {weight} %)"
