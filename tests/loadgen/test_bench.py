@@ -157,3 +157,21 @@ def test_the_serving_runs_steps_are_told_by_the_way_they_ran():
         "graph 40 in 0.2s (5.0 ms each), mixed 10 in 2.0s (200.0 ms each)"
     )
     assert step_breakdown({}, {}) == "none recorded"
+
+
+def test_the_ingest_profile_names_functions_that_exist():
+    """A phase whose function moved would read 0 % instead of failing."""
+    import ast
+
+    from bench.ingest_bench import PHASES, REPO_ROOT
+
+    for label, suffix, function in PHASES:
+        if not suffix.startswith(("telemetry/", "fleet/", "core/")):
+            continue  # a library's file
+        path = REPO_ROOT / "controlplane" / suffix
+        names = {
+            node.name
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        }
+        assert function in names, f"{label.strip()}: no {function} in {path}"
