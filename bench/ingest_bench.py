@@ -366,7 +366,11 @@ PHASES = [
     ("parse + validate entries", "telemetry/ingest.py", "parse"),
     ("apply each batch", "telemetry/ingest.py", "apply"),
     ("  lock agents (SELECT ... FOR UPDATE)", "telemetry/heartbeats.py", "_lock_agents"),
-    ("  update agents (UPDATE ... FROM json_to_recordset)", "telemetry/heartbeats.py", "_update_agents"),
+    (
+        "  update agents (UPDATE ... FROM json_to_recordset)",
+        "telemetry/heartbeats.py",
+        "_update_agents",
+    ),
     ("  upsert rollups (INSERT ... ON CONFLICT)", "telemetry/heartbeats.py", "_upsert_samples"),
     ("  of those three, encoding rows as JSON", "json/encoder.py", "encode"),
     ("  commit", "django/db/transaction.py", "__exit__"),
