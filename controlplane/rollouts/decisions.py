@@ -103,7 +103,8 @@ def rollout_analyze(*, rollout_id: int, window_end: datetime) -> AnalysisRun | N
         rollout_id=rollout.pk,
         reason=summary,
         # As analyzed, or nothing: a person's action in between wins.
-        expected=transitions.Expected(state=RolloutState.RUNNING, revision=rollout.revision),
+        expected_state=RolloutState.RUNNING,
+        expected_revision=rollout.revision,
         extra=extra if action == analysis.Action.ROLLBACK else None,
     )
     return run

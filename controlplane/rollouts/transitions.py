@@ -10,13 +10,14 @@ call changes nothing.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
@@ -267,14 +268,16 @@ def transition(
     actor: Actor,
     rollout_id: int,
     reason: str,
-    expected: Expected = Expected(),
+    expected_state: str | None = None,
+    expected_stage: int | None = None,
+    expected_revision: int | None = None,
     extra: dict[str, Any] | None = None,
 ) -> Rollout:
     """Run the transition `name` of TRANSITIONS, or refuse it and change nothing."""
     spec = TRANSITIONS[name]
     reason = _require_reason(reason)
     rollout = lock(rollout_id)
-    _check(rollout, spec, expected)
+    _check(rollout, spec, Expected(expected_state, expected_stage, expected_revision))
     if spec.precondition is not None:
         spec.precondition(rollout)
     if name == "advance" and rollout.stage_index + 1 >= len(rollout.stages):
@@ -299,60 +302,25 @@ def rollout_advance(
     expected_revision: int | None = None,
 ) -> Rollout:
     """Running stage k -> stage k+1, or promoted after the last stage (or at once if full)."""
-    expected = Expected(expected_state, expected_stage, expected_revision)
     return transition(
         "promote" if full else "advance",
         actor=actor,
         rollout_id=rollout_id,
         reason=reason,
-        expected=expected,
+        expected_state=expected_state,
+        expected_stage=expected_stage,
+        expected_revision=expected_revision,
     )
 
 
-class NamedTransition(Protocol):
-    def __call__(
-        self,
-        *,
-        actor: Actor,
-        rollout_id: int,
-        reason: str,
-        expected_state: str | None = None,
-        expected_stage: int | None = None,
-        expected_revision: int | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> Rollout: ...
-
-
-def _named(name: str) -> NamedTransition:
-    def run(
-        *,
-        actor: Actor,
-        rollout_id: int,
-        reason: str,
-        expected_state: str | None = None,
-        expected_stage: int | None = None,
-        expected_revision: int | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> Rollout:
-        return transition(
-            name,
-            actor=actor,
-            rollout_id=rollout_id,
-            reason=reason,
-            expected=Expected(expected_state, expected_stage, expected_revision),
-            extra=extra,
-        )
-
-    run.__name__ = f"rollout_{name}"
-    return run
-
-
-rollout_pause = _named("pause")
-rollout_resume = _named("resume")
-rollout_rollback = _named("rollback")
-rollout_abort = _named("abort")
-rollout_fail = _named("fail")
-rollout_retry = _named("retry")
+# Each takes actor, rollout_id, reason and optionally expected_state, expected_stage,
+# expected_revision and extra; what each does is its entry in TRANSITIONS.
+rollout_pause = functools.partial(transition, "pause")
+rollout_resume = functools.partial(transition, "resume")
+rollout_rollback = functools.partial(transition, "rollback")
+rollout_abort = functools.partial(transition, "abort")
+rollout_fail = functools.partial(transition, "fail")
+rollout_retry = functools.partial(transition, "retry")
 
 
 # The gate.
