@@ -246,7 +246,7 @@ SPECTACULAR_SETTINGS["ENUM_NAME_OVERRIDES"] = {
     "EvalKindEnum": "controlplane.registry.models.EvalKind",
     "PromptLoggingEnum": "controlplane.tenants.models.PromptLogging",
     "ApiKeyScopeEnum": "controlplane.tenants.models.ApiKeyScope",
-    "RoleEnum": "controlplane.accounts.roles.Role",
+    "RoleEnum": "controlplane.core.roles.Role",
 }
 
 # Gateway

@@ -3,7 +3,7 @@
 from django.conf import settings
 from django.db import models
 
-from controlplane.accounts.roles import Role
+from controlplane.core.roles import Role
 
 
 class Membership(models.Model):

@@ -5,7 +5,7 @@ from django.db.models import QuerySet
 from django.utils import timezone
 
 from controlplane.accounts.models import AccessToken
-from controlplane.accounts.tokens import secret_hash
+from controlplane.core.credentials import secret_hash
 
 # last_used_at is a hint, not a log: write it at most once a minute per token.
 LAST_USED_RESOLUTION = timedelta(minutes=1)

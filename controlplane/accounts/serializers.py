@@ -1,10 +1,10 @@
 from django.contrib.auth import get_user_model
 from rest_framework import serializers
 
-from controlplane.accounts.access import role_of, tenant_for_user
-from controlplane.accounts.api_base import StrictSerializer
 from controlplane.accounts.models import AccessToken
-from controlplane.accounts.roles import Role
+from controlplane.core.access import role_of, tenant_for_user
+from controlplane.core.roles import Role
+from controlplane.core.serializers import StrictSerializer
 from controlplane.tenants.models import Tenant
 
 

@@ -7,10 +7,10 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlplane.accounts.models import AccessToken, Membership
-from controlplane.accounts.roles import Role
-from controlplane.accounts.tokens import secret_generate, secret_hash, secret_visible_prefix
 from controlplane.audit.services import Actor, audit_event_record
+from controlplane.core.credentials import secret_generate, secret_hash, secret_visible_prefix
 from controlplane.core.errors import Conflict, DomainError
+from controlplane.core.roles import Role
 from controlplane.tenants.models import Tenant
 
 ACCESS_TOKEN_PREFIX = "cpt-"  # noqa: S105 - a visible prefix, not a secret

@@ -9,9 +9,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from controlplane.accounts import access, selectors, services
+from controlplane.accounts import selectors, services
 from controlplane.accounts.models import AccessToken
-from controlplane.accounts.permissions import allows
 from controlplane.accounts.serializers import (
     AccessTokenCreatedSerializer,
     AccessTokenCreateSerializer,
@@ -21,7 +20,9 @@ from controlplane.accounts.serializers import (
     UserCreateSerializer,
     UserSerializer,
 )
+from controlplane.core import access
 from controlplane.core.errors import NotFound
+from controlplane.core.permissions import allows
 
 
 class MeView(APIView):

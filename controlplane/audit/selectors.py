@@ -2,8 +2,8 @@ from typing import Any
 
 from django.db.models import QuerySet
 
-from controlplane.accounts import access
 from controlplane.audit.models import AuditEvent
+from controlplane.core import access
 
 
 def audit_event_list(*, user: Any) -> QuerySet[AuditEvent]:

@@ -3,11 +3,11 @@
 import django_filters
 from rest_framework import serializers, viewsets
 
-from controlplane.accounts import access
-from controlplane.accounts.permissions import allows
 from controlplane.audit import selectors
 from controlplane.audit.models import AuditEvent
+from controlplane.core import access
 from controlplane.core.filters import UtcIsoDateTimeFilter
+from controlplane.core.permissions import allows
 
 
 class AuditEventSerializer(serializers.ModelSerializer):

@@ -6,7 +6,7 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
-from controlplane.accounts import access
+from controlplane.core import access
 from controlplane.core.events import AUDIT_LIVE_GROUP, ROLLOUTS_LIVE_GROUP, tenant_live_group
 
 UNAUTHENTICATED_CLOSE_CODE = 4401

@@ -1,7 +1,7 @@
 """Shaping domain objects for the pages: stage plans, chart series, comparisons, totals.
 
 Pure functions over what the selectors return; no writes and no permission decisions
-beyond asking `controlplane.accounts.access`.
+beyond asking `controlplane.core.access`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 from django import forms
 from django.db.models import QuerySet
 
-from controlplane.accounts import access
+from controlplane.core import access
 from controlplane.rollouts.models import ACTIVE_STATES, AnalysisRun, Rollout, RolloutState, Stage
 
 # Rollouts.

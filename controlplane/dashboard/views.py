@@ -1,6 +1,6 @@
 """Dashboard pages: thin views that check access, call one selector or service and render.
 
-Every permission comes from `controlplane.accounts.access`. A page the role may not open is
+Every permission comes from `controlplane.core.access`. A page the role may not open is
 403, except tenants' pages: a tenant member asking for another tenant gets 404, so that
 they cannot learn it exists. Domain refusals (a stale rollout, a lost agent) come back as a
 message on the page they were made from.
@@ -26,8 +26,8 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
-from controlplane.accounts import access
 from controlplane.audit.selectors import audit_event_list
+from controlplane.core import access
 from controlplane.core.errors import DomainError, Forbidden, NotFound
 from controlplane.dashboard import forms, presenters
 from controlplane.fleet import selectors as fleet_selectors

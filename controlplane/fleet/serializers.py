@@ -5,7 +5,7 @@ from typing import Any
 from rest_framework import serializers
 
 from contracts.streams import AGENT_NAME_PATTERN, EnergySource
-from controlplane.accounts.api_base import StrictSerializer
+from controlplane.core.serializers import StrictSerializer
 from controlplane.fleet.models import Agent, AgentCommand, CommandKind
 
 

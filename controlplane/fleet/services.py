@@ -24,8 +24,8 @@ from contracts.streams import (
     new_command,
 )
 from contracts.streams import CommandKind as WireCommandKind
-from controlplane.accounts import access
 from controlplane.audit.services import Actor, acting_user, audit_event_record
+from controlplane.core import access
 from controlplane.core.errors import Conflict, DomainError, Forbidden, NotFound, Unavailable
 from controlplane.core.events import BROADCAST_GROUP, publish_events
 from controlplane.core.redis_clients import redis_client as make_redis_client

@@ -10,8 +10,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from controlplane.accounts import access
-from controlplane.accounts.permissions import allows, allows_by_method
+from controlplane.core import access
+from controlplane.core.permissions import allows, allows_by_method
 from controlplane.fleet import selectors, services
 from controlplane.fleet.serializers import (
     AgentCommandSerializer,

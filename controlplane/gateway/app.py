@@ -3,7 +3,7 @@
 No Django middleware, URL resolver or database query runs per request: keys and routes
 come from in-memory caches (caches.py), limits from one Redis script (ratelimit.py), and
 the response streams through from the agent as it arrives (pooled keep-alive
-connections, upstream.py). After the response, its requests-stream entry and token
+connections, relay.py and upstream.py). After the response, its requests-stream entry and token
 settlement are queued; the admission, the entry and the settlement go to Redis with other
 requests' commands in one pipeline (recorder.py), and entries Redis does not take are
 spooled.
@@ -18,9 +18,7 @@ import logging
 import math
 import time
 import uuid
-from collections import defaultdict
 from collections.abc import Awaitable
-from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -35,29 +33,26 @@ from contracts.routing import (
     Affinity,
     RequestRecord,
     RoutingTable,
-    VersionRoute,
-    error_code_of,
 )
 from controlplane.core.redis_clients import async_pubsub_client, async_redis_client, redis_client
 from controlplane.gateway.auth_throttle import AuthFailures
-from controlplane.gateway.caches import KeyCache, RoutingCache, choose_endpoint, choose_version
-from controlplane.gateway.metering import (
-    StreamMeter,
-    estimate_tokens,
-    prompt_text,
-    response_usage_and_text,
+from controlplane.gateway.caches import KeyCache, RoutingCache, choose_version
+from controlplane.gateway.http_io import (
+    CLIENT_CLOSED,
+    ClientGone,
+    GatewayRequestError,
+    error_body,
+    read_body,
+    send_json,
 )
+from controlplane.gateway.metering import StreamMeter, prompt_text
+from controlplane.gateway.outcome import Outcome, request_record, watch_disconnect
 from controlplane.gateway.ratelimit import Admission, Headroom, token_reservation
 from controlplane.gateway.recorder import KeyUses, RedisBatcher, keys_touch
+from controlplane.gateway.relay import Relay
 from controlplane.gateway.selectors import KeyGrant
 from controlplane.gateway.spool import Spool
-from controlplane.gateway.upstream import (
-    UpstreamConnectError,
-    UpstreamError,
-    UpstreamPool,
-    UpstreamResponse,
-    UpstreamTimeout,
-)
+from controlplane.gateway.upstream import UpstreamPool
 from controlplane.tenants.services import INVALIDATE_CHANNEL, api_key_touch
 
 logger = logging.getLogger(__name__)
@@ -66,7 +61,6 @@ REQUESTS_TOTAL = Counter("gateway_requests_total", "Gateway requests by status",
 RATE_LIMIT_UNAVAILABLE = Counter(
     "gateway_rate_limit_unavailable_total", "Requests admitted without a limit check (Redis down)"
 )
-UPSTREAM_RETRIES = Counter("gateway_upstream_retries_total", "Requests retried on another agent")
 AUTH_THROTTLED = Counter(
     "gateway_auth_throttled_total", "Unknown keys refused unlooked-up: too many failures"
 )
@@ -77,29 +71,8 @@ ROUTES = {
     "/v1/completions": ("completions", "chat"),
     "/v1/embeddings": ("embeddings", "embeddings"),
 }
-CLIENT_CLOSED = 499
 KEY_TOUCH_INTERVAL_S = 60.0  # ApiKey.last_used_at: at most one write a minute per key
 KEY_TOUCH_FLUSH_S = 1.0
-
-
-def _error_body(status: int, code: str, message: str, error_type: str, param: str | None = None):
-    return json.dumps(
-        {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-    ).encode()
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What happened to one request; filled in as it goes (so a cancel keeps it)."""
-
-    status: int = 0
-    agent: str = ""
-    attempts: int = 0
-    is_complete: bool = False
-    is_client_gone: bool = False
-    response_body: bytes = b""
-    meter: StreamMeter | None = None
-    error_code: str = ""  # the code of an error the gateway answered itself
 
 
 async def _bounded(step: Awaitable[Any], what: str, timeout_s: float) -> None:
@@ -114,77 +87,11 @@ async def _bounded(step: Awaitable[Any], what: str, timeout_s: float) -> None:
         logger.warning("gateway stop: %s failed", what, extra={"error": str(task.exception())})
 
 
-class ClientGone(Exception):
-    """The client disconnected before its request was read."""
-
-
-class GatewayRequestError(Exception):
-    def __init__(
-        self,
-        status: int,
-        code: str,
-        message: str,
-        error_type: str = "invalid_request_error",
-        headers: list[tuple[bytes, bytes]] | None = None,
-        param: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.error_type = error_type
-        self.headers = headers or []
-        self.param = param
-
-
-async def _send_json(send, status: int, body: bytes, headers=()) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                *headers,
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def _read_body(receive, limit: int) -> bytes:
-    chunks = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise GatewayRequestError(413, "request_too_large", "The request body is too large.")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-async def _watch_disconnect(receive, outcome: "Outcome", task: asyncio.Task) -> None:
-    """Cancel the request's task when the client goes away before its response is sent."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            break
-    if not outcome.is_complete:
-        outcome.is_client_gone = True
-        task.cancel()
-
-
 class Gateway:
     def __init__(self) -> None:
         self.is_started = False
         self._start_lock: asyncio.Lock | None = None
         self._tasks: list[asyncio.Task] = []
-        self.outstanding: dict[str, int] = defaultdict(int)
 
     # Lifecycle.
 
@@ -199,9 +106,11 @@ class Gateway:
             self.redis = async_redis_client()
             self.pubsub_redis = async_pubsub_client()
             self.sync_redis = redis_client()  # the spool's replay, in a worker thread
-            self.upstream = UpstreamPool(
-                connect_timeout_s=settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT_S,
-                read_timeout_s=settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S,
+            self.relay = Relay(
+                UpstreamPool(
+                    connect_timeout_s=settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT_S,
+                    read_timeout_s=settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S,
+                )
             )
             self.keys = KeyCache(ttl_s=settings.GATEWAY_KEY_CACHE_TTL_S)
             self.auth_failures = AuthFailures(
@@ -248,7 +157,7 @@ class Gateway:
         await _bounded(self._batcher_task, "batcher", 15)
         await _bounded(self._touch_keys(), "key last-used times", 5)
         await _bounded(asyncio.to_thread(self.spool.replay, self._write_entries), "replay", 10)
-        await self.upstream.aclose()
+        await self.relay.upstream.aclose()
         await _bounded(self.redis.aclose(), "redis client", 2)
         await _bounded(self.pubsub_redis.aclose(), "pub/sub client", 2)
         self.sync_redis.close()
@@ -346,10 +255,10 @@ class Gateway:
             REQUESTS_TOTAL.labels(str(CLIENT_CLOSED)).inc()
         except GatewayRequestError as exc:
             REQUESTS_TOTAL.labels(str(exc.status)).inc()
-            await _send_json(
+            await send_json(
                 send,
                 exc.status,
-                _error_body(exc.status, exc.code, exc.message, exc.error_type, exc.param),
+                error_body(exc.status, exc.code, exc.message, exc.error_type, exc.param),
                 exc.headers,
             )
 
@@ -391,7 +300,7 @@ class Gateway:
         if method != "POST":
             raise GatewayRequestError(405, "method_not_allowed", "Use POST.")
         kind, scope_needed = ROUTES[path]
-        raw = await _read_body(receive, settings.GATEWAY_MAX_BODY_BYTES)
+        raw = await read_body(receive, settings.GATEWAY_MAX_BODY_BYTES)
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:  # RecursionError: nested past the limit
@@ -460,7 +369,7 @@ class Gateway:
             }
         ).encode()
         REQUESTS_TOTAL.labels("200").inc()
-        await _send_json(send, 200, body)
+        await send_json(send, 200, body)
 
     # Proxying.
 
@@ -576,9 +485,11 @@ class Gateway:
         # upstream connection is then closed, and the engine aborts the sequence).
         task = asyncio.current_task()
         assert task is not None
-        watcher = asyncio.ensure_future(_watch_disconnect(receive, outcome, task))
+        watcher = asyncio.ensure_future(watch_disconnect(receive, outcome, task))
         try:
-            await self._relay(send, outcome, version, path, raw, request_id, reservation, admit)
+            await self.relay.relay(
+                send, outcome, version, path, raw, request_id, reservation, admit
+            )
         except asyncio.CancelledError:
             if not outcome.is_client_gone:
                 raise
@@ -591,7 +502,7 @@ class Gateway:
         finally:
             watcher.cancel()
             finished = time.perf_counter()
-            record = self._record(
+            record = request_record(
                 request_id=request_id,
                 grant=grant,
                 table=table,
@@ -621,247 +532,6 @@ class Gateway:
             (record.tenant_id, admission.window, delta) if admission is not None and delta else None
         )
         self.batcher.put(record.to_fields(), settlement)
-
-    def _record(
-        self,
-        *,
-        request_id: str,
-        grant: KeyGrant,
-        table: RoutingTable,
-        version: VersionRoute,
-        kind: str,
-        is_stream: bool,
-        started_wall: float,
-        e2e_s: float,
-        outcome: Outcome,
-        text: str,
-    ) -> RequestRecord:
-        meter = outcome.meter
-        completion_text = ""
-        usage = None
-        if meter is not None:
-            usage = meter.usage
-            completion_text = "".join(meter.text)
-        elif outcome.response_body:
-            usage, completion_text = response_usage_and_text(
-                outcome.response_body, is_capturing=grant.is_prompt_logging
-            )
-        prompt_tokens = usage.get("prompt_tokens") if usage else None
-        completion_tokens = usage.get("completion_tokens", 0) if usage else None
-        is_engine_usage = isinstance(prompt_tokens, int) and isinstance(completion_tokens, int)
-        if not is_engine_usage:
-            # Nothing from the engine: count streamed content events, estimate the prompt.
-            # An unanswered request (no agent, or the client left before any token) is 0.
-            answered = outcome.agent != "" and outcome.status < 500
-            prompt_tokens = estimate_tokens(len(text)) if answered else 0
-            completion_tokens = meter.token_events if meter is not None else 0
-        status = outcome.status or 500
-        error_code = outcome.error_code
-        if meter is not None and meter.has_error and status < 400:
-            status = 500  # an error event inside a 200 stream is still a failed request
-            error_code = "stream_error"
-        elif status == CLIENT_CLOSED:
-            error_code = "client_closed"
-        elif status >= 400 and not error_code:
-            try:
-                error_code = error_code_of(json.loads(outcome.response_body))
-            except (ValueError, RecursionError):
-                error_code = ""
-            error_code = error_code or f"http_{status}"
-        return RequestRecord(
-            request_id=request_id,
-            tenant_id=grant.tenant_id,
-            api_key_id=grant.key_id,
-            deployment=table.deployment,
-            version_id=version.version_id,
-            agent=outcome.agent,
-            endpoint_kind=kind,
-            status=status,
-            is_stream=is_stream,
-            started_at=started_wall,
-            finished_at=started_wall + e2e_s,
-            e2e_s=e2e_s,
-            ttft_s=meter.ttft_s if meter is not None else None,
-            itl_mean_s=meter.itl_mean_s if meter is not None else None,
-            itl_p95_s=meter.itl_p95_s if meter is not None else None,
-            prompt_tokens=int(prompt_tokens),  # type: ignore[arg-type]
-            completion_tokens=int(completion_tokens),  # type: ignore[arg-type]
-            usage_source="engine" if is_engine_usage else "gateway",
-            attempts=max(1, outcome.attempts),
-            prompt=text if grant.is_prompt_logging else None,
-            completion=completion_text if grant.is_prompt_logging else None,
-            error_code=error_code,
-        )
-
-    async def _connect(
-        self,
-        outcome: Outcome,
-        version: VersionRoute,
-        path: str,
-        raw: bytes,
-        request_id: str,
-        reservation: int,
-    ) -> tuple[UpstreamResponse, str] | None:
-        """The first agent response, retrying once on another agent when one refuses."""
-        tried: list[str] = []
-        headers = [
-            ("content-type", "application/json"),
-            ("x-request-id", request_id),
-            # The engine stops the request at the tokens reserved for it.
-            ("x-token-budget", str(reservation)),
-        ]
-        while outcome.attempts < 2:
-            endpoint = choose_endpoint(version, self.outstanding, tried)
-            if endpoint is None:
-                return None
-            if tried:
-                UPSTREAM_RETRIES.inc()
-            tried.append(endpoint)
-            outcome.attempts += 1
-            self.outstanding[endpoint] += 1
-            try:
-                response = await self.upstream.post(endpoint, path, raw, headers)
-            except UpstreamConnectError as exc:
-                self.outstanding[endpoint] -= 1
-                logger.warning("agent refused", extra={"agent": endpoint, "error": str(exc)})
-                continue
-            except BaseException:
-                self.outstanding[endpoint] -= 1
-                raise
-            is_refusal = response.status == 503
-            if (
-                is_refusal
-                and outcome.attempts < 2
-                and choose_endpoint(version, self.outstanding, tried) is not None
-            ):
-                response.close()
-                self.outstanding[endpoint] -= 1
-                continue
-            return response, endpoint
-        return None
-
-    async def _relay(
-        self,
-        send,
-        outcome: Outcome,
-        version: VersionRoute,
-        path: str,
-        raw: bytes,
-        request_id: str,
-        reservation: int,
-        admit: "asyncio.Future[Admission | None]",
-    ) -> None:
-        try:
-            connected = await self._connect(outcome, version, path, raw, request_id, reservation)
-        except UpstreamError as exc:
-            # Reached, but no answer (read timeout, malformed head): no retry, the
-            # agent may be working on it.
-            logger.warning("agent did not answer", extra={"error": str(exc)})
-            await asyncio.shield(admit)  # a refusal (429) comes first
-            await self._send_upstream_error(send, outcome, exc)
-            return
-        # Shielded: a client leaving now must not cancel an admission Redis may have
-        # counted; the request's entry and settlement wait for it (see _proxy).
-        if connected is None:
-            await asyncio.shield(admit)  # a refusal (429) comes first
-        else:
-            try:
-                await asyncio.shield(admit)  # a refusal (429) before any byte to the client
-            except BaseException:
-                # Refused (or the client left): the agent's request is cancelled.
-                self.outstanding[connected[1]] -= 1
-                connected[0].close()
-                raise
-        if connected is None:
-            outcome.status = 503
-            outcome.error_code = "no_ready_agent"
-            outcome.is_complete = True
-            await _send_json(
-                send,
-                503,
-                _error_body(
-                    503, "no_ready_agent", "No agent answered; retry shortly.", "server_error"
-                ),
-            )
-            return
-        response, endpoint = connected
-        outcome.agent = endpoint
-        try:
-            outcome.status = response.status
-            content_type = response.headers.get("content-type", "application/json")
-            meter = outcome.meter
-            if meter is None or response.status != 200 or "event-stream" not in content_type:
-                outcome.meter = None
-                try:
-                    body = await response.read()
-                except UpstreamError as exc:
-                    await self._send_upstream_error(send, outcome, exc)
-                    return
-                outcome.response_body = body
-                outcome.is_complete = True
-                await _send_json(
-                    send, response.status, body, [(b"x-request-id", request_id.encode())]
-                )
-                return
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [
-                        (b"content-type", content_type.encode()),
-                        (b"cache-control", b"no-cache"),
-                        (b"x-request-id", request_id.encode()),
-                    ],
-                }
-            )
-            buffer = b""
-            try:
-                while piece := await response.read_some():
-                    out, buffer = meter.feed_bytes(
-                        buffer + piece if buffer else piece, time.perf_counter()
-                    )
-                    if meter.is_done:
-                        # `data: [DONE]` ends the stream for the client: the body ends with
-                        # it, in one write; what the agent still sends (the body's last
-                        # chunk) is read after, so that its connection can be reused.
-                        outcome.is_complete = True
-                        await send({"type": "http.response.body", "body": out + buffer})
-                        buffer = b""
-                        while await response.read_some():
-                            pass
-                        return
-                    if out:
-                        await send({"type": "http.response.body", "body": out, "more_body": True})
-                        if meter.first_token_at is not None and not response.is_yielding:
-                            # Its first token is out: on an engine step that brings tokens
-                            # for many streams, those still waiting for one go first.
-                            response.is_yielding = True
-            except UpstreamError as exc:
-                if outcome.is_complete:
-                    return  # the client has its whole stream
-                # After the first byte there is no retry: end the stream, count it failed.
-                logger.warning("agent stream broke", extra={"agent": endpoint, "error": str(exc)})
-                outcome.status = 502
-                outcome.error_code = "upstream_error"
-            outcome.is_complete = True
-            await send({"type": "http.response.body", "body": buffer, "more_body": False})
-        finally:
-            self.outstanding[endpoint] -= 1
-            response.close()
-
-    @staticmethod
-    async def _send_upstream_error(send, outcome: Outcome, exc: UpstreamError) -> None:
-        is_timeout = isinstance(exc, UpstreamTimeout)
-        outcome.status = 504 if is_timeout else 502
-        outcome.error_code = "upstream_timeout" if is_timeout else "upstream_error"
-        outcome.is_complete = True
-        body = _error_body(
-            outcome.status,
-            "upstream_timeout" if is_timeout else "upstream_error",
-            "The agent did not answer in time." if is_timeout else "The agent failed.",
-            "server_error",
-        )
-        await _send_json(send, outcome.status, body)
 
 
 def gateway_mount(django_application, gateway: Gateway | None = None):

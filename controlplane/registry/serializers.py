@@ -3,7 +3,7 @@ from typing import Any
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from controlplane.accounts.api_base import StrictSerializer
+from controlplane.core.serializers import StrictSerializer
 from controlplane.registry.models import (
     Artifact,
     EvalKind,

@@ -14,9 +14,9 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from controlplane.accounts import access
-from controlplane.accounts.permissions import allows, allows_by_method
+from controlplane.core import access
 from controlplane.core.errors import DomainError, NotFound
+from controlplane.core.permissions import allows, allows_by_method
 from controlplane.registry import selectors, services, store
 from controlplane.registry.filters import ArtifactFilter, EvaluationFilter, ModelVersionFilter
 from controlplane.registry.serializers import (

@@ -1,6 +1,6 @@
 from rest_framework import serializers
 
-from controlplane.accounts.api_base import StrictSerializer
+from controlplane.core.serializers import StrictSerializer
 from controlplane.registry.models import EvalSuite, ModelVersion
 from controlplane.rollouts.models import (
     AnalysisRun,

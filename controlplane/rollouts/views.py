@@ -13,8 +13,8 @@ from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from controlplane.accounts import access
-from controlplane.accounts.permissions import allows, allows_by_method
+from controlplane.core import access
+from controlplane.core.permissions import allows, allows_by_method
 from controlplane.rollouts import deployments, selectors, transitions, webhooks
 from controlplane.rollouts.serializers import (
     AnalysisRunSerializer,

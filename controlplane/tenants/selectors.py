@@ -5,8 +5,8 @@ from django.db.models import F, QuerySet, Sum
 from django.db.models.functions import TruncDay, TruncHour
 from django.utils import timezone
 
-from controlplane.accounts import access
-from controlplane.accounts.tokens import secret_hash
+from controlplane.core import access
+from controlplane.core.credentials import secret_hash
 from controlplane.core.errors import NotFound
 from controlplane.tenants.models import ApiKey, Tenant, UsageRecord
 

@@ -1,6 +1,6 @@
 from rest_framework import serializers
 
-from controlplane.accounts.api_base import StrictSerializer
+from controlplane.core.serializers import StrictSerializer
 from controlplane.registry.models import Model
 from controlplane.tenants.models import ApiKey, ApiKeyScope, PromptLogging, Tenant
 

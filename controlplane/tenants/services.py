@@ -8,8 +8,8 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from controlplane.accounts.tokens import secret_generate, secret_hash, secret_visible_prefix
 from controlplane.audit.services import Actor, acting_user, audit_event_record
+from controlplane.core.credentials import secret_generate, secret_hash, secret_visible_prefix
 from controlplane.core.errors import Conflict, DomainError
 from controlplane.core.redis_clients import redis_client
 from controlplane.registry.models import Model

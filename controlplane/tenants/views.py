@@ -8,9 +8,9 @@ from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from controlplane.accounts import access
-from controlplane.accounts.permissions import allows
+from controlplane.core import access
 from controlplane.core.errors import Forbidden, NotFound
+from controlplane.core.permissions import allows
 from controlplane.tenants import selectors, services
 from controlplane.tenants.models import ApiKey
 from controlplane.tenants.serializers import (

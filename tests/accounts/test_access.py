@@ -3,8 +3,8 @@
 import pytest
 from django.contrib.auth.models import AnonymousUser
 
-from controlplane.accounts import access
-from controlplane.accounts.roles import Role
+from controlplane.core import access
+from controlplane.core.roles import Role
 
 ALL = {"admin", "release_manager", "on_call", "viewer", "tenant_member", "agent", "no_role"}
 STAFF = {"admin", "release_manager", "on_call", "viewer"}

@@ -29,8 +29,8 @@ from contracts.streams import (
     commands_stream,
     parse_command_result,
 )
-from controlplane.accounts.roles import Role
 from controlplane.accounts.services import access_token_create
+from controlplane.core.roles import Role
 from controlplane.fleet.models import Agent, AgentCommand, AgentSample
 from controlplane.registry import services as registry_services
 from controlplane.registry import store

@@ -22,8 +22,8 @@ from rest_framework.test import APIClient
 
 from contracts.signing import signed_message
 from controlplane.accounts.models import Membership
-from controlplane.accounts.roles import Role
 from controlplane.audit.models import AuditEvent
+from controlplane.core.roles import Role
 from controlplane.registry import services as registry_services
 from controlplane.registry.models import Model, ModelVersion, SigningKey
 from controlplane.tenants.models import Tenant

@@ -23,8 +23,8 @@ from drf_spectacular.generators import SchemaGenerator
 from drf_spectacular.renderers import OpenApiJsonRenderer
 from hypothesis import HealthCheck, settings
 
-from controlplane.accounts.roles import Role
 from controlplane.accounts.services import access_token_create
+from controlplane.core.roles import Role
 from tests.api.support import make_user
 
 FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "5"))

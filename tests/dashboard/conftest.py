@@ -9,8 +9,8 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from controlplane.accounts.roles import Role
 from controlplane.accounts.services import user_create
+from controlplane.core.roles import Role
 from controlplane.fleet.models import Agent, AgentSample, AgentState
 from controlplane.registry.models import (
     Artifact,

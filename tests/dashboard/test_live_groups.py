@@ -8,10 +8,10 @@ from channels.testing import WebsocketCommunicator
 from django.conf import settings
 from django.test import Client
 
-from controlplane.accounts.roles import Role
 from controlplane.accounts.services import user_create
 from controlplane.asgi import application
 from controlplane.core.events import publish_event
+from controlplane.core.roles import Role
 from controlplane.dashboard.consumers import live_groups_for_user, tenant_live_group
 from controlplane.tenants.models import Tenant
 

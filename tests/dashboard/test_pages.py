@@ -3,8 +3,8 @@
 import pytest
 from django.test import Client
 
-from controlplane.accounts.roles import Role
 from controlplane.audit.models import AuditEvent
+from controlplane.core.roles import Role
 from controlplane.fleet.models import AgentCommand
 from controlplane.rollouts.models import Rollout, RolloutState
 from controlplane.tenants.models import ApiKey

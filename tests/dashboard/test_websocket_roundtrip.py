@@ -10,10 +10,10 @@ from channels_redis.core import RedisChannelLayer
 from django.conf import settings
 from django.test import Client
 
-from controlplane.accounts.roles import Role
 from controlplane.accounts.services import user_create
 from controlplane.asgi import application
 from controlplane.core.events import AUDIT_LIVE_GROUP, publish_event
+from controlplane.core.roles import Role
 from controlplane.dashboard.consumers import UNAUTHENTICATED_CLOSE_CODE
 
 

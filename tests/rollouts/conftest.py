@@ -8,8 +8,8 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from controlplane.accounts.roles import Role
 from controlplane.accounts.services import access_token_create, user_create
+from controlplane.core.roles import Role
 from controlplane.gateway.models import RequestSample
 from controlplane.registry.models import Artifact, EvalKind, EvalSuite, Model, ModelVersion
 from controlplane.rollouts import deployments, transitions

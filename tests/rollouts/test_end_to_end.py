@@ -35,9 +35,9 @@ from django.test import override_settings
 from rest_framework.test import APIClient
 
 from contracts.routing import parse_routing_table, routing_key
-from controlplane.accounts.roles import Role
 from controlplane.accounts.services import access_token_create
 from controlplane.audit.models import AuditEvent
+from controlplane.core.roles import Role
 from controlplane.fleet.models import Agent
 from controlplane.gateway.models import RequestSample
 from controlplane.registry import services as registry_services

@@ -98,7 +98,7 @@ def chart_data(value: Any, element_id: str) -> SafeString:
 @register.simple_tag(takes_context=True)
 def allowed(context: template.Context, check_name: str) -> bool:
     """`{% allowed "can_view_fleet" as may_view_fleet %}`: one access function, for the user."""
-    from controlplane.accounts import access
+    from controlplane.core import access
 
     if not check_name.startswith(("can_", "is_")):
         raise template.TemplateSyntaxError(f"{check_name!r} is not an access check")
@@ -109,7 +109,7 @@ def allowed(context: template.Context, check_name: str) -> bool:
 
 @register.simple_tag(takes_context=True)
 def role_label(context: template.Context) -> str:
-    from controlplane.accounts import access
+    from controlplane.core import access
 
     request = context.get("request")
     role = access.role_of(request.user) if request is not None else None

@@ -9,9 +9,9 @@ import pytest
 from django.conf import settings
 from django.utils import timezone
 
-from controlplane.accounts.roles import Role
 from controlplane.audit.models import AuditEvent
 from controlplane.core.events import publish_event
+from controlplane.core.roles import Role
 from controlplane.rollouts import hooks, transitions
 from controlplane.rollouts.models import AnalysisRun, Rollout, RolloutState
 from tests.dashboard.browser.conftest import off_loop, screenshot, wait_live

@@ -23,8 +23,8 @@ from django.db import transaction
 from contracts.signing import signed_message
 from controlplane.accounts import services as account_services
 from controlplane.accounts.models import AccessToken, Membership
-from controlplane.accounts.roles import Role
-from controlplane.accounts.tokens import secret_hash
+from controlplane.core.credentials import secret_hash
+from controlplane.core.roles import Role
 from controlplane.registry import services as registry_services
 from controlplane.registry.models import Model, ModelVersion, SigningKey, Task, VersionStatus
 from controlplane.rollouts import deployments

@@ -4,16 +4,12 @@ Views and services call these; nothing else checks a role. A user without a memb
 has no role (superusers are admins) and may do nothing but manage their own tokens.
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.core.exceptions import ObjectDoesNotExist
+from django.db.models import Model
 
-from controlplane.accounts.roles import Role
-
-if TYPE_CHECKING:
-    from controlplane.tenants.models import Tenant
+from controlplane.core.roles import Role
 
 STAFF_ROLES = frozenset({Role.ADMIN, Role.RELEASE_MANAGER, Role.ON_CALL, Role.VIEWER})
 
@@ -30,8 +26,8 @@ def role_of(user: Any) -> Role | None:
     return Role(membership.role)
 
 
-def tenant_for_user(user: Any) -> Tenant | None:
-    """The tenant a tenant member belongs to; None for every other role."""
+def tenant_for_user(user: Any) -> Model | None:
+    """The tenant (a tenants.Tenant) a tenant member belongs to; None for every other role."""
     if role_of(user) != Role.TENANT_MEMBER:
         return None
     return user.membership.tenant
@@ -105,14 +101,14 @@ def can_manage_tenants(user: Any) -> bool:
     return is_admin(user)
 
 
-def can_view_tenant(user: Any, tenant: Tenant) -> bool:
+def can_view_tenant(user: Any, tenant: Model) -> bool:
     if is_staff_reader(user):
         return True
     own_tenant = tenant_for_user(user)
     return own_tenant is not None and own_tenant.pk == tenant.pk
 
 
-def can_manage_api_keys(user: Any, tenant: Tenant) -> bool:
+def can_manage_api_keys(user: Any, tenant: Model) -> bool:
     if is_admin(user):
         return True
     own_tenant = tenant_for_user(user)
