@@ -219,7 +219,7 @@ def _gateway_samples(request_ids: list[str], wait_s: float) -> list[dict[str, An
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
     django.setup()
-    from controlplane.gateway.models import RequestSample
+    from controlplane.telemetry.models import RequestSample
 
     deadline = time.monotonic() + wait_s
     while True:

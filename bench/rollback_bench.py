@@ -169,10 +169,10 @@ def measure(tmp: Path, drills: int, manual: int, ready_timeout: float) -> dict[s
         from controlplane.accounts.services import access_token_create
         from controlplane.fleet import services as fleet_services
         from controlplane.fleet.models import Agent
-        from controlplane.gateway.models import RequestSample
         from controlplane.registry.models import ModelVersion
         from controlplane.rollouts import deployments
         from controlplane.rollouts.models import Deployment, Rollout, RolloutState
+        from controlplane.telemetry.models import RequestSample
 
         monitor = RoutingMonitor(redis_url)
         deployment = Deployment.objects.get(name=DEPLOYMENT)

@@ -277,13 +277,12 @@ CELERY_BEAT_SCHEDULE["telemetry-attribute-energy"] = {
 # Fleet and telemetry
 # Agents heartbeat every FLEET_HEARTBEAT_INTERVAL_S; ingest marks one `lost` after
 # FLEET_LOST_AFTER_S without a heartbeat (three missed), keeps 10-second rollups for
-# FLEET_SAMPLE_RETENTION_S, and publishes live changes to FLEET_LIVE_GROUP.
+# FLEET_SAMPLE_RETENTION_S.
 FLEET_HEARTBEAT_INTERVAL_S = float(os.environ.get("FLEET_HEARTBEAT_INTERVAL_S", "1.0"))
 FLEET_LOST_AFTER_S = float(
     os.environ.get("FLEET_LOST_AFTER_S", str(3 * FLEET_HEARTBEAT_INTERVAL_S))
 )
 FLEET_SAMPLE_RETENTION_S = int(os.environ.get("FLEET_SAMPLE_RETENTION_S", str(7 * 24 * 3600)))
-FLEET_LIVE_GROUP = os.environ.get("FLEET_LIVE_GROUP", "live.fleet")
 FLEET_COMMAND_TTL_S = float(os.environ.get("FLEET_COMMAND_TTL_S", "300"))
 
 # Rollouts

@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from controlplane.accounts.models import AccessToken, Membership
 from controlplane.audit.services import Actor, audit_event_record
-from controlplane.core.credentials import secret_generate, secret_hash, secret_visible_prefix
+from controlplane.core.credentials import secret_issue
 from controlplane.core.errors import Conflict, DomainError
 from controlplane.core.roles import Role
 from controlplane.tenants.models import Tenant
@@ -31,14 +31,12 @@ def access_token_create(
     raw_token: str | None = None,
 ) -> CreatedAccessToken:
     """A new personal token. `raw_token` is for the demo seed only (reproducible credentials)."""
-    if expires_at is not None and expires_at <= timezone.now():
-        raise DomainError("invalid_expiry", "The expiry must be in the future.")
-    raw = raw_token or secret_generate(prefix=ACCESS_TOKEN_PREFIX)
+    secret = secret_issue(prefix=ACCESS_TOKEN_PREFIX, expires_at=expires_at, raw=raw_token)
     token = AccessToken.objects.create(
         user=user,
         name=name,
-        prefix=secret_visible_prefix(raw, prefix=ACCESS_TOKEN_PREFIX),
-        token_hash=secret_hash(raw),
+        prefix=secret.visible_prefix,
+        token_hash=secret.hash,
         expires_at=expires_at,
     )
     audit_event_record(
@@ -49,7 +47,7 @@ def access_token_create(
         object_repr=f"{user.get_username()}/{name}",
         after={"name": name, "prefix": token.prefix},
     )
-    return CreatedAccessToken(token=token, raw_token=raw)
+    return CreatedAccessToken(token=token, raw_token=secret.raw)
 
 
 @transaction.atomic

@@ -2,8 +2,34 @@
 
 import hashlib
 import secrets
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.utils import timezone
+
+from controlplane.core.errors import DomainError
 
 VISIBLE_CHARACTERS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedSecret:
+    raw: str  # shown once, never stored
+    visible_prefix: str  # stored, shown in lists
+    hash: str  # stored, looked up
+
+
+def secret_issue(
+    *, prefix: str, expires_at: datetime | None, raw: str | None = None
+) -> IssuedSecret:
+    """A new secret behind `prefix`, refused when its expiry is not in the future.
+    `raw` is for the demo seed only (reproducible credentials)."""
+    if expires_at is not None and expires_at <= timezone.now():
+        raise DomainError("invalid_expiry", "The expiry must be in the future.")
+    raw = raw or secret_generate(prefix=prefix)
+    return IssuedSecret(
+        raw=raw, visible_prefix=secret_visible_prefix(raw, prefix=prefix), hash=secret_hash(raw)
+    )
 
 
 def secret_generate(*, prefix: str) -> str:

@@ -19,6 +19,7 @@ from django.db import transaction
 logger = logging.getLogger(__name__)
 
 BROADCAST_GROUP = "live.all"  # joined by no one: kept for operators' debugging tools
+FLEET_LIVE_GROUP = "live.fleet"
 ROLLOUTS_LIVE_GROUP = "live.rollouts"
 AUDIT_LIVE_GROUP = "live.audit"
 

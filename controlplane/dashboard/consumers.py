@@ -4,10 +4,14 @@ from typing import Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
-from django.conf import settings
 
 from controlplane.core import access
-from controlplane.core.events import AUDIT_LIVE_GROUP, ROLLOUTS_LIVE_GROUP, tenant_live_group
+from controlplane.core.events import (
+    AUDIT_LIVE_GROUP,
+    FLEET_LIVE_GROUP,
+    ROLLOUTS_LIVE_GROUP,
+    tenant_live_group,
+)
 
 UNAUTHENTICATED_CLOSE_CODE = 4401
 
@@ -21,7 +25,7 @@ def live_groups_for_user(user: Any) -> list[str]:
     """
     groups: list[str] = []
     if access.can_view_fleet(user):
-        groups.append(settings.FLEET_LIVE_GROUP)
+        groups.append(FLEET_LIVE_GROUP)
     if access.is_staff_reader(user):
         groups.append(ROLLOUTS_LIVE_GROUP)
     if access.is_staff_reader(user):

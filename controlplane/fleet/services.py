@@ -27,7 +27,7 @@ from contracts.streams import CommandKind as WireCommandKind
 from controlplane.audit.services import Actor, acting_user, audit_event_record
 from controlplane.core import access
 from controlplane.core.errors import Conflict, DomainError, Forbidden, NotFound, Unavailable
-from controlplane.core.events import BROADCAST_GROUP, publish_events
+from controlplane.core.events import BROADCAST_GROUP, FLEET_LIVE_GROUP, publish_events
 from controlplane.core.redis_clients import redis_client as make_redis_client
 from controlplane.fleet.models import (
     FINAL_COMMAND_STATUSES,
@@ -52,7 +52,7 @@ def fleet_event_publish(event: str, payload: dict[str, Any]) -> None:
 
 def fleet_events_publish(events: Sequence[tuple[str, dict[str, Any]]]) -> None:
     """Send live events to the dashboard's fleet group (and the broadcast group)."""
-    publish_events([settings.FLEET_LIVE_GROUP, BROADCAST_GROUP], events)
+    publish_events([FLEET_LIVE_GROUP, BROADCAST_GROUP], events)
 
 
 def agent_event_payload(agent: Agent) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """Evaluation jobs against a real engine: quality, latency and energy figures.
 
-Plain functions over HTTP (httpx, a timeout on every call); no database. The service
-`services.evaluation_run` picks the agents, calls these and records the result through
-the registry's `evaluation_record`.
+Plain functions over HTTP (httpx, a timeout on every call); no database.
+`evaluation_jobs` picks the agents, calls these and records the result through the
+registry's `evaluation_record`.
 
 - **perplexity** of the held-out text, teacher-forced: for each position i the prompt is
   the text's first i token ids (`/v1/completions` accepts token ids), one token is asked

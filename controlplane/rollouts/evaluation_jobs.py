@@ -2,13 +2,15 @@
 
 A job measures the candidate through a ready agent's engine (and, for agreement, the
 baseline's), records the evaluation in the registry and re-checks the gate. No
-transaction is held during the HTTP calls.
+transaction is held during the HTTP calls, and no step sleeps: joules per token waits for
+the agent's next heartbeat in a task that is retried (tasks.rollout_evaluate_energy).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -53,29 +55,56 @@ def _ready_endpoint(version_id: int) -> str | None:
     return agent.endpoint if agent is not None else None
 
 
-def _agent_figures_after(endpoint: str, *, after: float, timeout_s: float = 30.0) -> dict[str, Any]:
-    """The figures of the agent serving `endpoint` from a heartbeat sent after `after`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        agent = Agent.objects.filter(endpoint=endpoint).first()
-        if agent is not None and agent.last_sent_at and agent.last_sent_at.timestamp() > after:
-            return dict(agent.figures)
-        time.sleep(0.25)
-    raise DomainError("no_heartbeat", f"No heartbeat from the agent at {endpoint}.")
+def agent_figures_after(endpoint: str, *, after: float) -> dict[str, Any] | None:
+    """The latest figures of the agent serving `endpoint`, if its heartbeat was sent after
+    `after` (a Unix time); None while no such heartbeat has been ingested."""
+    agent = Agent.objects.filter(endpoint=endpoint).first()
+    if agent is None or agent.last_sent_at is None:
+        return None
+    if agent.last_sent_at.timestamp() <= after:
+        return None
+    return dict(agent.figures)
 
 
-def evaluation_run(*, rollout_id: int, suite_id: int) -> Evaluation | None:
-    """Run one required suite against the agent serving the candidate and record it.
+@dataclass
+class Measured:
+    """A job's figures so far; JSON-safe, so the energy step can carry it as a task argument.
 
-    No transaction is held during the HTTP calls. Returns None (nothing recorded) when the
+    `energy_before` and `workload_ended_at` are set when the suite asks for joules per
+    token: the figure needs a heartbeat sent after the workload, which the energy step
+    waits for by being retried, not by sleeping.
+    """
+
+    endpoint: str
+    figures: dict[str, float] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+    energy_before: dict[str, Any] | None = None
+    workload_ended_at: float | None = None
+
+    @property
+    def needs_energy(self) -> bool:
+        return self.workload_ended_at is not None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Measured:
+        return cls(**data)
+
+
+def evaluation_measure(*, rollout_id: int, suite_id: int) -> Measured | None:
+    """Run one required suite's workloads against the agent serving the candidate.
+
+    No transaction is held during the HTTP calls. Returns None (nothing to record) when the
     rollout is no longer gating, the suite is already evaluated, or no agent serves the
-    candidate yet (the next gate tick asks again). The gate is re-checked afterwards.
+    candidate yet (the next gate tick asks again).
     """
     if suite_id not in evaluations_due(rollout_id=rollout_id):
         return None
     rollout = Rollout.objects.select_related("candidate", "baseline").get(pk=rollout_id)
     suite = EvalSuite.objects.get(pk=suite_id)
-    names = {definition["name"] for definition in suite.metrics}
+    names = _metric_names(suite)
     unknown = sorted(names - evaluation.KNOWN_METRICS)
     if unknown:
         raise DomainError(
@@ -88,8 +117,8 @@ def evaluation_run(*, rollout_id: int, suite_id: int) -> Evaluation | None:
     baseline_endpoint = _ready_endpoint(rollout.baseline_id) if "agreement" in names else None
     if "agreement" in names and baseline_endpoint is None:
         return None
-    figures: dict[str, float] = {}
-    details: dict[str, Any] = {"endpoint": endpoint}
+    measured = Measured(endpoint=endpoint, details={"endpoint": endpoint})
+    figures, details = measured.figures, measured.details
     questions = evaluation.questions()
     prompts = [q.question for q in questions]
     with httpx.Client() as client:
@@ -119,24 +148,46 @@ def evaluation_run(*, rollout_id: int, suite_id: int) -> Evaluation | None:
                 details["baseline_answers"] = baseline_answers
                 figures["agreement"] = evaluation.agreement(answers, baseline_answers)
         if names & (evaluation.LATENCY_METRICS | evaluation.ENERGY_METRICS):
-            before = _agent_figures_after(endpoint, after=time.time() - 5)
+            if "joules_per_token" in names:
+                # The latest heartbeat: its cumulative counters are the workload's start.
+                # Whatever ran between it and the workload counts in both energy and
+                # tokens, so the ratio stays consistent.
+                measured.energy_before = agent_figures_after(endpoint, after=time.time() - 5)
+                if measured.energy_before is None:
+                    raise DomainError("no_heartbeat", f"No recent heartbeat from {endpoint}.")
             result = evaluation.latency(client=client, endpoint=endpoint, prompts=prompts * 2)
             details["latency"] = result
             figures["ttft_p95_ms"] = result["ttft_p95_ms"]
             figures["itl_p95_ms"] = result["itl_p95_ms"]
             if "joules_per_token" in names:
-                after = _agent_figures_after(endpoint, after=time.time() + 0.5)
-                per_token = evaluation.joules_per_token(before, after)
-                if per_token is None:
-                    raise DomainError("no_energy", "The agent reported no energy or no tokens.")
-                figures["joules_per_token"] = per_token
+                measured.workload_ended_at = time.time()
+    return measured
+
+
+def evaluation_energy_add(measured: Measured, after: dict[str, Any]) -> None:
+    """Add joules per token from the figures of a heartbeat sent after the workload."""
+    assert measured.energy_before is not None
+    per_token = evaluation.joules_per_token(measured.energy_before, after)
+    if per_token is None:
+        raise DomainError("no_energy", "The agent reported no energy or no tokens.")
+    measured.figures["joules_per_token"] = per_token
+
+
+def evaluation_finish(*, rollout_id: int, suite_id: int, measured: Measured) -> Evaluation:
+    """Record the suite's evaluation of the candidate and re-check the gate."""
+    rollout = Rollout.objects.select_related("candidate", "baseline").get(pk=rollout_id)
+    suite = EvalSuite.objects.get(pk=suite_id)
     evaluation_row = evaluation_record(
         actor=None,
         version=rollout.candidate,
         suite=suite,
-        metrics={name: figures[name] for name in sorted(names)},
+        metrics={name: measured.figures[name] for name in sorted(_metric_names(suite))},
         baseline_version=rollout.baseline,
-        notes=json.dumps(details, sort_keys=True)[:10000],
+        notes=json.dumps(measured.details, sort_keys=True)[:10000],
     )
     transitions.rollout_gate_check(rollout_id=rollout_id)
     return evaluation_row
+
+
+def _metric_names(suite: EvalSuite) -> set[str]:
+    return {definition["name"] for definition in suite.metrics}

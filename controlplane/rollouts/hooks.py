@@ -18,8 +18,6 @@ from controlplane.celery import app
 from controlplane.core.events import ROLLOUTS_LIVE_GROUP, publish_event_after_commit
 from controlplane.rollouts.models import Rollout, WebhookDelivery, WebhookEndpoint
 
-LIVE_GROUP = ROLLOUTS_LIVE_GROUP
-
 # The names the tasks in tasks.py are registered under.
 RECONCILE_TASK = "rollouts.reconcile"
 GATE_TASK = "rollouts.gate"
@@ -69,9 +67,11 @@ def emit(rollout: Rollout, event: str, *, extra: dict[str, Any] | None = None) -
                 endpoint=endpoint, event_id=event_id, event=event, payload=payload
             )
             _send_on_commit(WEBHOOK_DELIVER_TASK, delivery.pk)
-    publish_event_after_commit(LIVE_GROUP, event, payload)
+    publish_event_after_commit(ROLLOUTS_LIVE_GROUP, event, payload)
 
 
 def publish_after_commit(rollout: Rollout, event: str, extra: dict[str, Any]) -> None:
     """A live event only (no webhook): analysis ticks and gate reasons."""
-    publish_event_after_commit(LIVE_GROUP, event, rollout_event_payload(rollout, event, **extra))
+    publish_event_after_commit(
+        ROLLOUTS_LIVE_GROUP, event, rollout_event_payload(rollout, event, **extra)
+    )

@@ -7,7 +7,6 @@ from datetime import datetime
 
 from django.db.models import QuerySet
 
-from controlplane.gateway.models import EnergyAllocation, RequestSample
 from controlplane.rollouts.analysis import Samples
 from controlplane.rollouts.models import (
     AnalysisRun,
@@ -16,6 +15,7 @@ from controlplane.rollouts.models import (
     WebhookDelivery,
     WebhookEndpoint,
 )
+from controlplane.telemetry.models import EnergyAllocation, RequestSample
 
 
 def deployment_list() -> QuerySet[Deployment]:

@@ -2,7 +2,8 @@
 
 - `rollouts.reconcile` / `rollouts.reconcile_all`: routing and agents match the database.
 - `rollouts.gate`: pending -> gating -> running once required evaluations pass; enqueues
-  `rollouts.evaluate` for each required suite the candidate has no result for.
+  `rollouts.evaluate` for each required suite the candidate has no result for (and
+  `rollouts.evaluate_energy` follows it when the suite asks for joules per token).
 - `rollouts.analyze_all` (beat) -> `rollouts.analyze` per running rollout and tick.
 - `rollouts.webhook_deliver`: one signed POST, retried with backoff on transient errors.
 """
@@ -13,11 +14,11 @@ import logging
 from datetime import UTC, datetime
 
 import httpx
-from celery import shared_task
+from celery import Task, shared_task
 from django.conf import settings
 from django.utils import timezone
 
-from controlplane.core.errors import NotFound
+from controlplane.core.errors import DomainError, NotFound
 from controlplane.core.redis_clients import redis_client
 from controlplane.rollouts import (
     decisions,
@@ -34,6 +35,11 @@ logger = logging.getLogger(__name__)
 TASK_OPTIONS = {"acks_late": True, "reject_on_worker_lost": True, "ignore_result": True}
 # An evaluation job in progress is not enqueued again for this long (released when it ends).
 EVALUATION_LOCK_S = 600
+# Joules per token waits for a heartbeat after the workload: first look after a heartbeat
+# interval, then every half second, for about 30 s in all.
+ENERGY_FIRST_LOOK_S = 1.0
+ENERGY_LOOK_EVERY_S = 0.5
+ENERGY_LOOKS = 60
 
 
 @shared_task(name=hooks.RECONCILE_TASK, **TASK_OPTIONS)
@@ -80,15 +86,54 @@ def rollout_gate(rollout_id: int) -> None:
 
 @shared_task(name="rollouts.evaluate", **TASK_OPTIONS)
 def rollout_evaluate(rollout_id: int, suite_id: int) -> None:
-    """One evaluation job; its in-progress key is released however it ends."""
+    """One evaluation job; its in-progress key is released however it ends (by the energy
+    step when the suite asks for joules per token)."""
+    is_handed_on = False
     try:
-        evaluation_jobs.evaluation_run(rollout_id=rollout_id, suite_id=suite_id)
+        measured = evaluation_jobs.evaluation_measure(rollout_id=rollout_id, suite_id=suite_id)
+        if measured is None:
+            return
+        if measured.needs_energy:
+            rollout_evaluate_energy.apply_async(
+                (rollout_id, suite_id, measured.to_json()), countdown=ENERGY_FIRST_LOOK_S
+            )
+            is_handed_on = True
+            return
+        evaluation_jobs.evaluation_finish(
+            rollout_id=rollout_id, suite_id=suite_id, measured=measured
+        )
     finally:
-        client = redis_client(decode_responses=True)
-        try:
-            client.delete(f"rollouts:evaluating:{rollout_id}:{suite_id}")
-        finally:
-            client.close()
+        if not is_handed_on:
+            _evaluation_lock_release(rollout_id, suite_id)
+
+
+@shared_task(
+    name="rollouts.evaluate_energy", bind=True, max_retries=ENERGY_LOOKS - 1, **TASK_OPTIONS
+)
+def rollout_evaluate_energy(self: Task, rollout_id: int, suite_id: int, measured: dict) -> None:
+    """An evaluation job's last step: joules per token from the candidate agent's first
+    heartbeat after the workload. Until it is ingested, the task is retried, not slept in."""
+    job = evaluation_jobs.Measured.from_json(measured)
+    assert job.workload_ended_at is not None
+    # A heartbeat sent half a second after the workload ended counts all of its tokens.
+    after = evaluation_jobs.agent_figures_after(job.endpoint, after=job.workload_ended_at + 0.5)
+    if after is None and self.request.retries < ENERGY_LOOKS - 1:
+        raise self.retry(countdown=ENERGY_LOOK_EVERY_S)
+    try:
+        if after is None:
+            raise DomainError("no_heartbeat", f"No heartbeat from the agent at {job.endpoint}.")
+        evaluation_jobs.evaluation_energy_add(job, after)
+        evaluation_jobs.evaluation_finish(rollout_id=rollout_id, suite_id=suite_id, measured=job)
+    finally:
+        _evaluation_lock_release(rollout_id, suite_id)
+
+
+def _evaluation_lock_release(rollout_id: int, suite_id: int) -> None:
+    client = redis_client(decode_responses=True)
+    try:
+        client.delete(f"rollouts:evaluating:{rollout_id}:{suite_id}")
+    finally:
+        client.close()
 
 
 def analysis_tick(now: datetime | None = None) -> datetime:

@@ -9,7 +9,7 @@ from django.db import IntegrityError, transaction
 
 from controlplane.core.errors import DomainError
 from controlplane.fleet.models import AgentSample
-from controlplane.gateway.models import EnergyAllocation, RequestSample
+from controlplane.telemetry.models import EnergyAllocation, RequestSample
 from controlplane.telemetry.usage import UsageDelta, minute_of, usage_upsert
 
 K = TypeVar("K", bound=Hashable)

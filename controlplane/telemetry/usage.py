@@ -15,8 +15,8 @@ from typing import Any
 from django.db import connection, transaction
 
 from contracts.routing import RequestRecord
-from controlplane.gateway.models import PromptRecord, RequestSample
 from controlplane.registry.models import ModelVersion
+from controlplane.telemetry.models import PromptRecord, RequestSample
 from controlplane.tenants.models import Tenant, UsageRecord
 
 logger = logging.getLogger(__name__)

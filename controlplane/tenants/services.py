@@ -9,7 +9,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from controlplane.audit.services import Actor, acting_user, audit_event_record
-from controlplane.core.credentials import secret_generate, secret_hash, secret_visible_prefix
+from controlplane.core.credentials import secret_issue
 from controlplane.core.errors import Conflict, DomainError
 from controlplane.core.redis_clients import redis_client
 from controlplane.registry.models import Model
@@ -155,14 +155,12 @@ def api_key_create(
             f"Scopes must be a non-empty subset of {sorted(ApiKeyScope.values)}.",
             fields={"scopes": scopes},
         )
-    if expires_at is not None and expires_at <= timezone.now():
-        raise DomainError("invalid_expiry", "The expiry must be in the future.")
-    raw = raw_key or secret_generate(prefix=API_KEY_PREFIX)
+    secret = secret_issue(prefix=API_KEY_PREFIX, expires_at=expires_at, raw=raw_key)
     key = ApiKey.objects.create(
         tenant=tenant,
         name=name,
-        prefix=secret_visible_prefix(raw, prefix=API_KEY_PREFIX),
-        key_hash=secret_hash(raw),
+        prefix=secret.visible_prefix,
+        key_hash=secret.hash,
         scopes=scopes,
         expires_at=expires_at,
         created_by=acting_user(actor),
@@ -176,7 +174,7 @@ def api_key_create(
         after=key.snapshot(),
         tenant_id=tenant.pk,
     )
-    return CreatedApiKey(key=key, raw_key=raw)
+    return CreatedApiKey(key=key, raw_key=secret.raw)
 
 
 @transaction.atomic

@@ -1,5 +1,5 @@
 """The requests-stream contract: `parse_request_record` accepts only what the database can
-store (gateway.RequestSample, tenants.UsageRecord, gateway.PromptRecord) and names the
+store (telemetry.RequestSample, tenants.UsageRecord, telemetry.PromptRecord) and names the
 field of anything else, so ingest drops such an entry instead of failing its batch."""
 
 import dataclasses
@@ -143,7 +143,7 @@ def test_whatever_comes_in_is_a_storable_record_or_a_named_refusal(changes: dict
 @pytest.mark.django_db
 def test_a_record_at_every_bound_is_stored_by_ingest() -> None:
     """The bounds are the columns': what the contract accepts, the database takes."""
-    from controlplane.gateway.models import PromptRecord, RequestSample
+    from controlplane.telemetry.models import PromptRecord, RequestSample
     from controlplane.telemetry.usage import request_records_apply
     from controlplane.tenants.models import UsageRecord
     from tests.gateway.conftest import make_setup

@@ -10,11 +10,11 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from controlplane.gateway.models import RequestSample
 from controlplane.registry.models import ModelVersion
 from controlplane.rollouts import deployments, transitions
 from controlplane.rollouts.models import Rollout
 from controlplane.rollouts.routing import routing_table_publish
+from controlplane.telemetry.models import RequestSample
 from controlplane.tenants.models import UsageRecord
 from tests.gateway.conftest import (
     client_for,

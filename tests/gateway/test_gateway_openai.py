@@ -9,8 +9,8 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from contracts.routing import REQUESTS_STREAM
-from controlplane.gateway.models import RequestSample
 from controlplane.rollouts.routing import routing_table_publish
+from controlplane.telemetry.models import RequestSample
 from controlplane.tenants.models import UsageRecord
 from tests.conftest import wait_until
 from tests.gateway.conftest import (
@@ -443,7 +443,7 @@ def test_client_disconnect_cancels_the_stream(stores, engines, gateways) -> None
 
 
 def test_prompts_are_kept_only_when_the_policy_says_so(stores, engines, gateways) -> None:
-    from controlplane.gateway.models import PromptRecord
+    from controlplane.telemetry.models import PromptRecord
 
     keeps = make_setup(prompt_logging="full")
     publish(keeps, [100, 0], [[engines[0]], []])

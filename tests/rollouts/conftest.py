@@ -10,10 +10,10 @@ from rest_framework.test import APIClient
 
 from controlplane.accounts.services import access_token_create, user_create
 from controlplane.core.roles import Role
-from controlplane.gateway.models import RequestSample
 from controlplane.registry.models import Artifact, EvalKind, EvalSuite, Model, ModelVersion
 from controlplane.rollouts import deployments, transitions
 from controlplane.rollouts.models import Deployment, Rollout
+from controlplane.telemetry.models import RequestSample
 from controlplane.tenants.models import Tenant
 
 SERVING_CONFIG = {"dtype": "float32", "max_model_len": 2048, "kv_block_size": 16}

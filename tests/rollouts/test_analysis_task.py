@@ -211,8 +211,8 @@ def test_the_full_weight_stage_still_fails_a_canary_over_the_absolute_limits(
 
 
 def test_energy_figures_give_joules_per_token_and_load_per_agent(versions) -> None:
-    from controlplane.gateway.models import EnergyAllocation
     from controlplane.rollouts.selectors import energy_figures
+    from controlplane.telemetry.models import EnergyAllocation
 
     stable, candidate = versions
     end = timezone.now()

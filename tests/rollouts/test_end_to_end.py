@@ -39,11 +39,11 @@ from controlplane.accounts.services import access_token_create
 from controlplane.audit.models import AuditEvent
 from controlplane.core.roles import Role
 from controlplane.fleet.models import Agent
-from controlplane.gateway.models import RequestSample
 from controlplane.registry import services as registry_services
 from controlplane.registry.models import EvalKind, EvalSuite, Evaluation, Model, SigningKey
 from controlplane.rollouts import deployments, transitions
 from controlplane.rollouts.models import ACTIVE_STATES, AnalysisRun, Deployment, Rollout
+from controlplane.telemetry.models import RequestSample
 from controlplane.tenants.services import api_key_create, tenant_create
 from tests.agent.test_agent_processes import (
     MODEL_FILE,
@@ -349,6 +349,20 @@ def quality_suite(name: str, *, perplexity_max: float, exact_match_min: float) -
     )
 
 
+def energy_suite(name: str) -> EvalSuite:
+    """Latency and joules per token, thresholds no healthy CPU agent misses: the job's
+    energy step (a retried task waiting for the agent's next heartbeat) must complete."""
+    return EvalSuite.objects.create(
+        name=name,
+        kind=EvalKind.ENERGY,
+        dataset="rollouts/datasets",
+        metrics=[
+            {"name": "ttft_p95_ms", "threshold": 60_000.0, "higher_is_better": False},
+            {"name": "joules_per_token", "threshold": 1e6, "higher_is_better": False},
+        ],
+    )
+
+
 def wait_state(stack: Stack, rollout: Rollout, states: set[str], timeout: float) -> Rollout:
     wait_until(
         lambda: Rollout.objects.get(pk=rollout.pk).state in states,
@@ -371,6 +385,7 @@ def test_a_healthy_candidate_is_promoted_through_every_stage(stack, django_db_bl
         baseline_id = stack.stable_id()
         candidate = stack.versions["bf16"]
         suite = quality_suite("quality-smoke", perplexity_max=1000.0, exact_match_min=0.5)
+        energy = energy_suite("energy-smoke")
         traffic_start = stack.traffic.mark()
         rollout = deployments.rollout_create(
             actor=None,
@@ -382,7 +397,7 @@ def test_a_healthy_candidate_is_promoted_through_every_stage(stack, django_db_bl
                 {"weight": 100, "min_duration_s": 2, "min_requests": 2},
             ],
             policy=WIDE_POLICY,
-            required_suites=[suite],
+            required_suites=[suite, energy],
             reason="e2e: healthy candidate",
         )
         rollout = wait_state(stack, rollout, {"promoted", "rolled_back", "failed"}, 240)
@@ -394,15 +409,23 @@ def test_a_healthy_candidate_is_promoted_through_every_stage(stack, django_db_bl
         assert evaluation.baseline_version_id == baseline_id
         assert sorted(evaluation.metrics) == ["agreement", "exact_match", "perplexity"]
         assert evaluation.metrics["exact_match"] >= 0.5
+        energy_evaluation = Evaluation.objects.get(version=candidate, suite=energy)
+        assert energy_evaluation.passed is True
+        assert energy_evaluation.metrics["joules_per_token"] > 0
 
         # Every stage ended with an advancing analysis run, in order.
         advancing = AnalysisRun.objects.filter(rollout=rollout, action="advance")
         assert sorted(advancing.values_list("stage_index", flat=True)) == [0, 1, 2]
-        # (Extensions depend on how many requests a stage got in time: left out.)
-        assert [a for a, _ in audit_actions(rollout) if a != "rollout.extend"] == [
+        # (Extensions depend on how many requests a stage got in time: left out. The gate is
+        # blocked once per change of its reasons: one or two suites still due.)
+        actions = [a for a, _ in audit_actions(rollout) if a != "rollout.extend"]
+        blocked = slice(actions.index("rollout.gate_blocked"), actions.index("rollout.stage_start"))
+        assert actions[blocked] in (["rollout.gate_blocked"], ["rollout.gate_blocked"] * 2)
+        actions[blocked] = ["rollout.gate_blocked"]
+        assert actions == [
             "rollout.create",
             "rollout.start_gating",
-            "rollout.gate_blocked",  # until the evaluation job has passed
+            "rollout.gate_blocked",  # until both evaluation jobs have passed
             "rollout.stage_start",
             "rollout.stage_start",
             "rollout.stage_start",

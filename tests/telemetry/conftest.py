@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 from channels.layers import channel_layers
-from django.conf import settings
 
+from controlplane.core.events import FLEET_LIVE_GROUP
 from tests.api.support import *  # noqa: F403
 
 
@@ -20,7 +20,7 @@ class LiveGroupListener:
         self.loop = asyncio.new_event_loop()
         self.layer = channel_layers.make_backend("default")
         self.channel = self.loop.run_until_complete(self.layer.new_channel())
-        self.loop.run_until_complete(self.layer.group_add(settings.FLEET_LIVE_GROUP, self.channel))
+        self.loop.run_until_complete(self.layer.group_add(FLEET_LIVE_GROUP, self.channel))
 
     def receive(self, timeout: float = 5.0) -> dict:
         message = self.loop.run_until_complete(
@@ -37,9 +37,7 @@ class LiveGroupListener:
                 return received
 
     def close(self) -> None:
-        self.loop.run_until_complete(
-            self.layer.group_discard(settings.FLEET_LIVE_GROUP, self.channel)
-        )
+        self.loop.run_until_complete(self.layer.group_discard(FLEET_LIVE_GROUP, self.channel))
         self.loop.run_until_complete(self.layer.flush())
         self.loop.close()
 

@@ -13,7 +13,7 @@ from django.db import InterfaceError, connection, transaction
 from prometheus_client import REGISTRY
 
 from contracts.routing import REQUESTS_STREAM, RequestRecord
-from controlplane.gateway.models import PromptRecord, RequestSample
+from controlplane.telemetry.models import PromptRecord, RequestSample
 from controlplane.telemetry.requests import RequestsStreamHandler
 from controlplane.telemetry.streams import StreamIngestor
 from controlplane.tenants.models import UsageRecord

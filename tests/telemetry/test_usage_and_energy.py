@@ -8,12 +8,12 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from contracts.routing import REQUESTS_STREAM, RequestRecord
-from controlplane.gateway.models import EnergyAllocation, RequestSample
 from controlplane.telemetry.energy import (
     MICROJOULES,
     energy_interval_attribute,
     energy_split,
 )
+from controlplane.telemetry.models import EnergyAllocation, RequestSample
 from controlplane.telemetry.streams import MALFORMED_TOTAL
 from controlplane.tenants.models import UsageRecord
 from tests.gateway.conftest import ingest_all, make_setup

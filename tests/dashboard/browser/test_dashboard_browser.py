@@ -6,11 +6,10 @@ Each test writes screenshots to test-artifacts/screenshots/."""
 from datetime import timedelta
 
 import pytest
-from django.conf import settings
 from django.utils import timezone
 
 from controlplane.audit.models import AuditEvent
-from controlplane.core.events import publish_event
+from controlplane.core.events import FLEET_LIVE_GROUP, publish_event
 from controlplane.core.roles import Role
 from controlplane.rollouts import hooks, transitions
 from controlplane.rollouts.models import AnalysisRun, Rollout, RolloutState
@@ -123,7 +122,7 @@ def test_heartbeat_figures_arrive_live_on_the_fleet_page(open_page) -> None:
     assert page.inner_text(cell) == "3"
     off_loop(
         publish_event,
-        settings.FLEET_LIVE_GROUP,
+        FLEET_LIVE_GROUP,
         "fleet.figures",
         {
             "agents": {

@@ -1,7 +1,9 @@
-"""What the gateway leaves in the database: one sample per request, energy bookkeeping.
+"""What ingest writes from the requests stream: one sample per request, the prompts of
+tenants that log them, and energy bookkeeping.
 
 Usage itself lives in `tenants.UsageRecord`; ingest adds to it in the same transaction
 that inserts the request's sample, so a sample exists exactly when its usage was counted.
+The tables keep the names they had in the gateway app (moved with their data in place).
 """
 
 from django.db import models
@@ -35,10 +37,11 @@ class RequestSample(models.Model):
     finished_at = models.DateTimeField()
 
     class Meta:
+        db_table = "gateway_requestsample"
         ordering = ["-finished_at", "-id"]
         indexes = [
-            models.Index(fields=["version", "finished_at"]),
-            models.Index(fields=["agent", "finished_at"]),
+            models.Index(fields=["version", "finished_at"], name="gateway_req_version_cb2669_idx"),
+            models.Index(fields=["agent", "finished_at"], name="gateway_req_agent_6ad60b_idx"),
         ]
 
     def __str__(self) -> str:
@@ -60,8 +63,11 @@ class PromptRecord(models.Model):
     finished_at = models.DateTimeField()
 
     class Meta:
+        db_table = "gateway_promptrecord"
         ordering = ["-finished_at", "-id"]
-        indexes = [models.Index(fields=["tenant", "finished_at"])]
+        indexes = [
+            models.Index(fields=["tenant", "finished_at"], name="gateway_pro_tenant__042579_idx")
+        ]
 
     def __str__(self) -> str:
         return self.request_id
@@ -85,6 +91,7 @@ class EnergyAllocation(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
+        db_table = "gateway_energyallocation"
         ordering = ["-interval_start", "-id"]
 
     def __str__(self) -> str:
