@@ -279,6 +279,9 @@ CELERY_BEAT_SCHEDULE["telemetry-attribute-energy"] = {
 # FLEET_LOST_AFTER_S without a heartbeat (three missed), keeps 10-second rollups for
 # FLEET_SAMPLE_RETENTION_S.
 FLEET_HEARTBEAT_INTERVAL_S = float(os.environ.get("FLEET_HEARTBEAT_INTERVAL_S", "1.0"))
+# A heartbeat sent further than this ahead of ingest's clock, or behind the time Redis
+# took it, is refused (fleet_heartbeats_refused_total): agents' clocks must be in sync.
+FLEET_HEARTBEAT_MAX_SKEW_S = float(os.environ.get("FLEET_HEARTBEAT_MAX_SKEW_S", "10"))
 FLEET_LOST_AFTER_S = float(
     os.environ.get("FLEET_LOST_AFTER_S", str(3 * FLEET_HEARTBEAT_INTERVAL_S))
 )

@@ -62,8 +62,8 @@ FLOORS = (
     "accounts",
     "fleet",
     "gateway",
-    "rollouts",
     "telemetry",
+    "rollouts",
     "dashboard",
     "demo",
 )

@@ -31,7 +31,9 @@ def access_token_create(
     raw_token: str | None = None,
 ) -> CreatedAccessToken:
     """A new personal token. `raw_token` is for the demo seed only (reproducible credentials)."""
-    secret = secret_issue(prefix=ACCESS_TOKEN_PREFIX, expires_at=expires_at, raw=raw_token)
+    if expires_at is not None and expires_at <= timezone.now():
+        raise DomainError("invalid_expiry", "The expiry must be in the future.")
+    secret = secret_issue(prefix=ACCESS_TOKEN_PREFIX, raw=raw_token)
     token = AccessToken.objects.create(
         user=user,
         name=name,

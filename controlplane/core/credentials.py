@@ -1,13 +1,12 @@
-"""Raw secrets and their stored form, shared by personal tokens and tenant API keys."""
+"""Raw secrets and their stored form, shared by personal tokens and tenant API keys.
+
+Standard library only: DRF loads the authentication classes, which use this, while
+it is itself being imported.
+"""
 
 import hashlib
 import secrets
 from dataclasses import dataclass
-from datetime import datetime
-
-from django.utils import timezone
-
-from controlplane.core.errors import DomainError
 
 VISIBLE_CHARACTERS = 8
 
@@ -19,13 +18,9 @@ class IssuedSecret:
     hash: str  # stored, looked up
 
 
-def secret_issue(
-    *, prefix: str, expires_at: datetime | None, raw: str | None = None
-) -> IssuedSecret:
-    """A new secret behind `prefix`, refused when its expiry is not in the future.
-    `raw` is for the demo seed only (reproducible credentials)."""
-    if expires_at is not None and expires_at <= timezone.now():
-        raise DomainError("invalid_expiry", "The expiry must be in the future.")
+def secret_issue(*, prefix: str, raw: str | None = None) -> IssuedSecret:
+    """A new secret behind `prefix`. `raw` is for the demo seed only (reproducible
+    credentials)."""
     raw = raw or secret_generate(prefix=prefix)
     return IssuedSecret(
         raw=raw, visible_prefix=secret_visible_prefix(raw, prefix=prefix), hash=secret_hash(raw)

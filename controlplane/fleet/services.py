@@ -103,6 +103,9 @@ def agent_register(
     agent.registered_by = acting_user(actor)
     agent.registered_at = now if created or is_moved else agent.registered_at
     agent.last_seen = now  # lost detection starts counting from here
+    # A new agent process starts its own sequence; ordering starts again from its first
+    # heartbeat (and whatever was applied before, even a forged one, no longer counts).
+    agent.last_sent_at, agent.last_seq = None, 0
     was_lost = agent.state == AgentState.LOST
     if was_lost:
         agent.state, agent.detail = AgentState.IDLE, ""

@@ -40,6 +40,11 @@ UNKNOWN_AGENT_TOTAL = Counter(
     "fleet_heartbeats_unknown_agent_total", "Heartbeats from agents that never registered"
 )
 LOST_TOTAL = Counter("fleet_agents_lost_total", "Agents marked lost by ingest")
+HEARTBEATS_REFUSED_TOTAL = Counter(
+    "fleet_heartbeats_refused_total",
+    "Heartbeats refused: sent_at ahead of the ingest clock or long before Redis took it",
+    ["reason"],
+)
 HEARTBEAT_LAG = Gauge(
     "fleet_heartbeat_lag_seconds", "Age of the newest heartbeat in the last batch applied"
 )
@@ -78,7 +83,9 @@ class HeartbeatHandler:
             heartbeat = parse_heartbeat(fields)
         except ContractError as exc:
             raise MalformedEntry(str(exc)) from exc
-        return ReceivedHeartbeat(heartbeat=heartbeat, received_at=entry_time(entry_id))
+        received_at = entry_time(entry_id)
+        _check_sent_at(heartbeat, received_at)
+        return ReceivedHeartbeat(heartbeat=heartbeat, received_at=received_at)
 
     def apply(self, items: Sequence[ReceivedHeartbeat]) -> None:
         outcome = heartbeats_apply(received=items)
@@ -103,6 +110,29 @@ class HeartbeatHandler:
                 },
             )
         self.live.heartbeats.update(outcome.latest)
+
+
+def _check_sent_at(heartbeat: Heartbeat, received_at: datetime) -> None:
+    """Refuse a heartbeat whose send time is off by more than the allowed skew.
+
+    Heartbeats are ordered by `sent_at`, so one dated ahead would make every later one
+    look older and be skipped (the agent would turn lost). Ahead is judged by ingest's own
+    clock (an entry id is chosen by whoever adds it); behind by the entry's Redis time, so
+    a backlog read after an outage is not refused for its age.
+    """
+    skew_s = settings.FLEET_HEARTBEAT_MAX_SKEW_S
+    ahead_s = heartbeat.sent_at - time.time()
+    if ahead_s > skew_s:
+        HEARTBEATS_REFUSED_TOTAL.labels("clock_ahead").inc()
+        raise MalformedEntry(
+            f"heartbeat of {heartbeat.agent} sent {ahead_s:.1f} s ahead of the ingest clock"
+        )
+    behind_s = received_at.timestamp() - heartbeat.sent_at
+    if behind_s > skew_s:
+        HEARTBEATS_REFUSED_TOTAL.labels("clock_behind").inc()
+        raise MalformedEntry(
+            f"heartbeat of {heartbeat.agent} sent {behind_s:.1f} s before Redis took it"
+        )
 
 
 class CommandResultHandler:

@@ -155,7 +155,9 @@ def api_key_create(
             f"Scopes must be a non-empty subset of {sorted(ApiKeyScope.values)}.",
             fields={"scopes": scopes},
         )
-    secret = secret_issue(prefix=API_KEY_PREFIX, expires_at=expires_at, raw=raw_key)
+    if expires_at is not None and expires_at <= timezone.now():
+        raise DomainError("invalid_expiry", "The expiry must be in the future.")
+    secret = secret_issue(prefix=API_KEY_PREFIX, raw=raw_key)
     key = ApiKey.objects.create(
         tenant=tenant,
         name=name,

@@ -26,7 +26,7 @@ from controlplane.fleet import selectors, services
 from controlplane.fleet.models import Agent, AgentCommand, AgentSample
 from controlplane.telemetry.ingest import FleetTicker, HeartbeatHandler, LiveFleet, stream_handlers
 from controlplane.telemetry.streams import StreamIngestor
-from tests.fleet.support import heartbeat, publish, register
+from tests.fleet.support import entry_id_at, heartbeat, publish, recent_minute, register
 
 pytestmark = pytest.mark.django_db
 
@@ -62,11 +62,12 @@ def pending(redis_client, stream: str = HEARTBEATS_STREAM) -> int:
 def test_heartbeat_updates_the_agent_and_its_rollup(redis_client, users) -> None:
     register(actor=users["agent"])
     ingestor = make_ingestor(redis_client)
-    sent_at = datetime(2030, 1, 1, 12, 0, 3, tzinfo=UTC).timestamp()
-    publish(redis_client, heartbeat(seq=1, sent_at=sent_at))
+    sent_at = recent_minute() + 3
+    publish(redis_client, heartbeat(seq=1, sent_at=sent_at), entry_id_at(sent_at))
     publish(
         redis_client,
         heartbeat(seq=2, sent_at=sent_at + 1, running=3, kv_cache_usage=0.5, ttft_p95_s=None),
+        entry_id_at(sent_at + 1),
     )
     drain(ingestor)
 
@@ -79,7 +80,7 @@ def test_heartbeat_updates_the_agent_and_its_rollup(redis_client, users) -> None
     assert agent.figures["energy_source"] == "estimate"
     assert agent.last_sent_at == datetime.fromtimestamp(sent_at + 1, tz=UTC)
     sample = AgentSample.objects.get(agent=agent)
-    assert sample.bucket_start == datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC)
+    assert sample.bucket_start == datetime.fromtimestamp(sent_at - 3, tz=UTC)
     assert (sample.running_max, sample.kv_cache_usage_max) == (3, 0.5)
     assert sample.ttft_p95_max_s == 0.08  # a missing value does not erase a peak
     assert (sample.energy_joules_min, sample.energy_joules_max) == (40.0, 80.0)
@@ -90,11 +91,12 @@ def test_heartbeat_updates_the_agent_and_its_rollup(redis_client, users) -> None
 def test_redelivered_and_reordered_heartbeats_change_nothing(redis_client, users) -> None:
     agent = register(actor=users["agent"])
     handler = stream_handlers()[HEARTBEATS_STREAM]
-    sent_at = datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC).timestamp()
-    now_id = f"{int(time.time() * 1000)}-0"
-    older = handler.parse(now_id, heartbeat(seq=1, sent_at=sent_at, running=5).to_fields())
+    sent_at = recent_minute()
+    older = handler.parse(
+        entry_id_at(sent_at), heartbeat(seq=1, sent_at=sent_at, running=5).to_fields()
+    )
     newer = handler.parse(
-        now_id,
+        entry_id_at(sent_at + 1),
         heartbeat(seq=2, sent_at=sent_at + 1, state=AgentState.DRAINING, running=1).to_fields(),
     )
     handler.apply([newer])
@@ -247,18 +249,17 @@ def test_ticker_publishes_live_figures(redis_client, users, live_group) -> None:
 def test_history_derives_sums_from_cumulative_totals(users) -> None:
     agent = register(actor=users["agent"])
     handler = stream_handlers()[HEARTBEATS_STREAM]
-    start = datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC).timestamp()
-    entry_id = f"{int(time.time() * 1000)}-0"
+    start = recent_minute()
     items = []
     # 25 heartbeats, one a second: 40 J and 20 tokens each.
     for second in range(25):
         beat = heartbeat(seq=second + 1, sent_at=start + second)
-        items.append(handler.parse(entry_id, beat.to_fields()))
+        items.append(handler.parse(entry_id_at(beat.sent_at), beat.to_fields()))
     handler.apply(items)
     history = selectors.agent_history(
         agent=agent,
-        since=datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC),
-        until=datetime(2030, 1, 1, 12, 1, 0, tzinfo=UTC),
+        since=datetime.fromtimestamp(start, tz=UTC),
+        until=datetime.fromtimestamp(start + 60, tz=UTC),
     )
     assert [bucket["bucket_start"].second for bucket in history] == [0, 10, 20]
     # The first bucket has no predecessor: 10 heartbeats cover 9 intervals.
@@ -340,12 +341,11 @@ def test_command_results_move_the_command_forward_only(redis_client, users) -> N
 def test_rollups_past_retention_are_pruned(users, settings) -> None:
     agent = register(actor=users["agent"])
     handler = stream_handlers()[HEARTBEATS_STREAM]
-    entry_id = f"{int(time.time() * 1000)}-0"
     old = time.time() - 3600
     handler.apply(
         [
-            handler.parse(entry_id, heartbeat(seq=1, sent_at=old).to_fields()),
-            handler.parse(entry_id, heartbeat(seq=2).to_fields()),
+            handler.parse(entry_id_at(old), heartbeat(seq=1, sent_at=old).to_fields()),
+            handler.parse(entry_id_at(time.time()), heartbeat(seq=2).to_fields()),
         ]
     )
     settings.FLEET_SAMPLE_RETENTION_S = 1800
@@ -385,7 +385,7 @@ def test_ticks_run_under_load_and_say_whether_ingest_is_caught_up(redis_client, 
 
 def _coalescing_heartbeats() -> list:
     """Two agents over two rollup buckets, peaks and states out of send order."""
-    start = datetime(2030, 1, 1, 12, 0, 4, tzinfo=UTC).timestamp()
+    start = recent_minute() + 4
     beats = [
         heartbeat(seq=1, sent_at=start, running=2, kv_cache_usage=0.1, ttft_p95_s=None),
         heartbeat(seq=2, sent_at=start + 2, running=7, kv_cache_usage=0.3, ttft_p95_s=0.5),
@@ -427,8 +427,10 @@ def test_a_batch_gives_the_same_rows_as_its_heartbeats_one_at_a_time(users) -> N
     seen = timezone.now()
     Agent.objects.update(last_seen=seen)
     handler = stream_handlers()[HEARTBEATS_STREAM]
-    entry_id = f"{int(time.time() * 1000)}-0"
-    items = [handler.parse(entry_id, beat.to_fields()) for beat in _coalescing_heartbeats()]
+    items = [
+        handler.parse(entry_id_at(beat.sent_at), beat.to_fields())
+        for beat in _coalescing_heartbeats()
+    ]
     shuffled = items[:]
     random.Random(5).shuffle(shuffled)
     ways = {
@@ -501,9 +503,10 @@ def test_a_batch_writes_each_agent_once_and_each_rollup_once(users) -> None:
     register(actor=users["agent"])
     register("agent-2", actor=users["agent"])
     handler = stream_handlers()[HEARTBEATS_STREAM]
-    entry_id = f"{int(time.time() * 1000)}-0"
     beats = _coalescing_heartbeats()
-    first = [handler.parse(entry_id, beat.to_fields()) for beat in beats[:3] + beats[5:]]
+    first = [
+        handler.parse(entry_id_at(beat.sent_at), beat.to_fields()) for beat in beats[:3] + beats[5:]
+    ]
     before = _rows_written()
     handler.apply(first)  # 6 heartbeats, 2 agents, 2 (agent, bucket) pairs
     assert _difference(_rows_written(), before) == {
@@ -511,7 +514,9 @@ def test_a_batch_writes_each_agent_once_and_each_rollup_once(users) -> None:
         "fleet_agentsample": (2, 0),
     }
     before = _rows_written()
-    handler.apply([handler.parse(entry_id, beat.to_fields()) for beat in beats[3:5]])
+    handler.apply(
+        [handler.parse(entry_id_at(beat.sent_at), beat.to_fields()) for beat in beats[3:5]]
+    )
     assert _difference(_rows_written(), before) == {
         "fleet_agent": (0, 1),
         "fleet_agentsample": (1, 0),  # agent-1's second bucket, new
@@ -546,3 +551,71 @@ def test_entries_the_database_would_refuse_are_dropped_as_malformed(redis_client
     assert Agent.objects.get(name="agent-1").last_seq == 7
     assert AgentSample.objects.get().running_max == 1
     assert pending(redis_client) == 0
+
+
+# Send times: heartbeats are ordered by them, so ingest refuses implausible ones.
+
+
+def test_a_heartbeat_dated_ahead_is_refused_counted_and_changes_nothing(
+    redis_client, users
+) -> None:
+    register(actor=users["agent"])
+    ingestor = make_ingestor(redis_client)
+    publish(redis_client, heartbeat(seq=1))
+    drain(ingestor)
+    before = _fleet_snapshot()
+    refused = metric("fleet_heartbeats_refused_total", reason="clock_ahead")
+    dropped = metric("ingest_dropped_entries_total", stream=HEARTBEATS_STREAM, reason="malformed")
+    # Year 9999: had it been applied, every later heartbeat would look older and be
+    # skipped, and the agent would turn lost for good.
+    forged = heartbeat(seq=2, sent_at=253402300799.0, state=AgentState.DRAINING, running=0)
+    publish(redis_client, forged)
+    drain(ingestor)
+    assert _fleet_snapshot() == before
+    assert metric("fleet_heartbeats_refused_total", reason="clock_ahead") == refused + 1
+    assert (
+        metric("ingest_dropped_entries_total", stream=HEARTBEATS_STREAM, reason="malformed")
+        == dropped + 1
+    )
+    assert pending(redis_client) == 0
+    publish(redis_client, heartbeat(seq=3, running=4))
+    drain(ingestor)
+    agent = Agent.objects.get(name="agent-1")
+    assert (agent.last_seq, agent.state, agent.figures["running"]) == (3, AgentState.READY, 4)
+    assert services.agents_mark_lost() == []
+
+
+def test_a_heartbeat_sent_long_before_redis_took_it_is_refused(redis_client, users) -> None:
+    register(actor=users["agent"])
+    ingestor = make_ingestor(redis_client)
+    refused = metric("fleet_heartbeats_refused_total", reason="clock_behind")
+    publish(redis_client, heartbeat(seq=1, sent_at=time.time() - 600))
+    drain(ingestor)
+    assert metric("fleet_heartbeats_refused_total", reason="clock_behind") == refused + 1
+    assert Agent.objects.get(name="agent-1").last_seq == 0
+    assert not AgentSample.objects.exists()
+
+
+def test_a_backlog_read_late_is_not_refused_for_its_age(redis_client, users) -> None:
+    """An entry's age is judged by when Redis took it, not by when ingest reads it."""
+    register(actor=users["agent"])
+    ingestor = make_ingestor(redis_client)
+    sent_at = time.time() - 600  # ingest was down for ten minutes
+    publish(redis_client, heartbeat(seq=1, sent_at=sent_at), entry_id_at(sent_at))
+    drain(ingestor)
+    assert Agent.objects.get(name="agent-1").last_seq == 1
+
+
+def test_registering_again_resets_the_order_of_heartbeats(redis_client, users) -> None:
+    """A send time applied before (a clock that jumped, or a forged entry) no longer makes
+    the new process's heartbeats look older once the agent registers again."""
+    register(actor=users["agent"])
+    Agent.objects.filter(name="agent-1").update(
+        last_sent_at=timezone.now() + timedelta(days=365), last_seq=99
+    )
+    register(actor=users["agent"])
+    ingestor = make_ingestor(redis_client)
+    publish(redis_client, heartbeat(seq=1, running=6))
+    drain(ingestor)
+    agent = Agent.objects.get(name="agent-1")
+    assert (agent.last_seq, agent.figures["running"]) == (1, 6)
