@@ -1,8 +1,9 @@
 """Every automatic decision on a running rollout, and the one place a rollback is decided.
 
-Three signals may end a canary without a person: the analysis tick (a verdict on a
+Four signals may end a canary without a person: the analysis tick (a verdict on a
 window of request samples), the hard-breach fast path (ingest sees the canary's last N
-requests fail) and the reconciler (every agent that served the canary is lost). Each
+requests fail), the reconciler (every agent that served the canary is lost) and the
+revocation of the candidate version (seen by the reconciler and the analysis tick). Each
 decision here goes through the state machine with the revision it judged
 (compare-and-set), so two deciders racing change the rollout once.
 """
@@ -14,9 +15,11 @@ from datetime import datetime, timedelta
 
 from django.db import transaction
 
+from controlplane.audit.models import AuditEvent
 from controlplane.core.errors import Conflict
+from controlplane.registry.models import ModelVersion, VersionStatus
 from controlplane.rollouts import analysis, hooks, selectors, transitions
-from controlplane.rollouts.models import AnalysisRun, Rollout, RolloutState
+from controlplane.rollouts.models import ACTIVE_STATES, AnalysisRun, Rollout, RolloutState
 from controlplane.rollouts.stages import rollout_policy
 
 # The transition each stage decision runs (wait runs none).
@@ -39,6 +42,9 @@ def rollout_analyze(*, rollout_id: int, window_end: datetime) -> AnalysisRun | N
     rollout = transitions.lock(rollout_id)
     stage = rollout.current_stage
     if rollout.state != RolloutState.RUNNING or rollout.stage_started_at is None or stage is None:
+        return None
+    if rollout.candidate.status == VersionStatus.REVOKED:
+        rollouts_stop_for_revoked_candidate(version_id=rollout.candidate_id)
         return None
     existing = AnalysisRun.objects.filter(
         rollout=rollout, attempt=rollout.attempt, window_end=window_end
@@ -162,3 +168,46 @@ def rollback_when_canary_lost(*, rollout_id: int, lost_agents: Sequence[str]) ->
     except Conflict:  # another caller rolled it back (or it moved on) first
         return False
     return True
+
+
+# How a rollout whose candidate was revoked ends, by the state it is in.
+STOP_FOR_REVOKED: dict[str, str] = {
+    RolloutState.RUNNING: "rollback",
+    RolloutState.PAUSED: "rollback",
+    RolloutState.GATING: "fail",
+    RolloutState.PENDING: "abort",
+}
+
+
+def rollouts_stop_for_revoked_candidate(*, version_id: int) -> list[int]:
+    """End every active rollout of a revoked candidate: its canary leaves the routing at
+    once (rolled back, or failed or aborted before it had traffic). Returns the rollouts
+    this call ended; nothing when the version is not revoked."""
+    version = ModelVersion.objects.filter(pk=version_id, status=VersionStatus.REVOKED).first()
+    if version is None:
+        return []
+    revocation = (
+        AuditEvent.objects.filter(
+            action="version.revoke", object_type="model_version", object_id=str(version_id)
+        )
+        .order_by("-id")
+        .values_list("reason", flat=True)
+        .first()
+    )
+    reason = f"the candidate {version} was revoked" + (f": {revocation}" if revocation else "")
+    ended = []
+    active = Rollout.objects.filter(candidate_id=version_id, state__in=ACTIVE_STATES)
+    for rollout_id, state in active.values_list("pk", "state"):
+        try:
+            transitions.transition(
+                STOP_FOR_REVOKED[state],
+                actor=None,
+                rollout_id=rollout_id,
+                reason=reason,
+                expected_state=state,
+                extra={"candidate_revoked": True},
+            )
+        except Conflict:  # it moved on meanwhile; the next pass looks again
+            continue
+        ended.append(rollout_id)
+    return ended

@@ -4,7 +4,8 @@ Level-triggered: every pass reads the database as it is now and repairs whatever
 (a crash between a transition's commit and its routing write, a lost command, an agent
 that went away), so running it twice, or after any half-done step, is safe. Passes for
 one deployment are serialized by a Redis lock. The table routes only to ready agents:
-state ready, loaded version matching, seen within ROLLOUTS_AGENT_FRESH_S.
+state ready, loaded version matching, seen within ROLLOUTS_AGENT_FRESH_S. A revoked
+version is never routed nor kept loaded, and an active rollout of one is ended first.
 """
 
 from __future__ import annotations
@@ -25,10 +26,16 @@ from contracts.routing import (
 from controlplane.core.errors import DomainError
 from controlplane.core.redis_clients import redis_client
 from controlplane.fleet.models import Agent, AgentCommand, AgentState, CommandKind, CommandStatus
-from controlplane.registry.models import ModelVersion
+from controlplane.registry.models import ModelVersion, VersionStatus
 from controlplane.registry.serving import context_length
 from controlplane.rollouts import decisions
-from controlplane.rollouts.models import Deployment, DesiredRouting, Rollout, RolloutState
+from controlplane.rollouts.models import (
+    ACTIVE_STATES,
+    Deployment,
+    DesiredRouting,
+    Rollout,
+    RolloutState,
+)
 from controlplane.rollouts.routing import routing_table_publish
 
 logger = logging.getLogger(__name__)
@@ -89,6 +96,14 @@ def reconcile_deployment(
 
 
 def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
+    # A revoked candidate's rollout ends before anything is routed (its canary weight goes).
+    revoked_candidates = Rollout.objects.filter(
+        deployment_id=deployment_id,
+        state__in=ACTIVE_STATES,
+        candidate__status=VersionStatus.REVOKED,
+    ).values_list("candidate_id", flat=True)
+    for version_id in set(revoked_candidates):
+        decisions.rollouts_stop_for_revoked_candidate(version_id=version_id)
     # Re-read inside the lock: the newest committed desired routing wins.
     deployment = Deployment.objects.select_related("stable_version__model").get(pk=deployment_id)
     desired: DesiredRouting = deployment.desired_routing
@@ -133,12 +148,17 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
     effective = weight if canary_endpoints else 0
     shared = 0 if tenants else effective  # the canary's weight for every tenant
     version_rows = ModelVersion.objects.filter(pk__in=[stable_id, canary_id or 0]).values_list(
-        "pk", "label", "serving_config"
+        "pk", "label", "serving_config", "status"
     )
-    labels = {pk: label for pk, label, _ in version_rows}
-    context_lengths = {pk: context_length(config) for pk, _, config in version_rows}
+    labels = {pk: label for pk, label, _, _ in version_rows}
+    context_lengths = {pk: context_length(config) for pk, _, config, _ in version_rows}
+    revoked = {pk for pk, _, _, status in version_rows if status == VersionStatus.REVOKED}
+    if canary_id in revoked:  # its rollout could not be ended this pass: no weight anyway
+        canary_endpoints, effective, shared = [], 0, 0
     versions = []
-    if 100 - shared > 0 or not canary_endpoints:
+    # A revoked stable version leaves the table: its share goes to the canary if there is
+    # one, else the model has no route (the gateway answers 503) until a new stable one.
+    if stable_id not in revoked and (100 - shared > 0 or not canary_endpoints):
         versions.append(
             VersionRoute(
                 version_id=stable_id,
@@ -159,7 +179,11 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
             )
         )
     tenant_weights = (
-        {slug: {stable_id: 100 - effective, canary_id: effective} for slug in tenants}
+        {
+            slug: {canary_id: effective}
+            | ({} if stable_id in revoked else {stable_id: 100 - effective})
+            for slug in tenants
+        }
         if tenants and canary_id is not None and effective > 0
         else {}
     )
@@ -181,12 +205,14 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
 
 
 def _needed_versions() -> set[int]:
+    """The versions some deployment routes to or preloads, revoked ones left out."""
     needed: set[int] = set()
     for routing in Deployment.objects.values_list("desired_routing", flat=True):
         needed.update(routing.get("preload_version_ids") or [])
         if routing.get("stable_version_id"):
             needed.add(routing["stable_version_id"])
-    return needed
+    revoked = ModelVersion.objects.filter(pk__in=needed, status=VersionStatus.REVOKED)
+    return needed - set(revoked.values_list("pk", flat=True))
 
 
 def _converge_agents(
@@ -239,6 +265,8 @@ def _converge_agents(
         return agent.pk in in_flight or agent.state in {AgentState.LOADING, AgentState.WARMING}
 
     for version_id in desired.get("preload_version_ids") or []:
+        if version_id not in needed:  # revoked
+            continue
         serving = [
             a for a in alive if a.loaded_version_id == version_id and a.state != AgentState.DRAINING
         ]

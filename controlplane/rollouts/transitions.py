@@ -24,7 +24,7 @@ from django.utils import timezone
 
 from controlplane.audit.services import Actor, audit_event_record
 from controlplane.core.errors import Conflict, DomainError, NotFound
-from controlplane.registry.models import Evaluation
+from controlplane.registry.models import DEPLOYABLE_STATUSES, Evaluation, ModelVersion
 from controlplane.rollouts import hooks
 from controlplane.rollouts.deployments import rollout_repr, routing_write
 from controlplane.rollouts.models import ACTIVE_STATES, Deployment, Rollout, RolloutState
@@ -53,6 +53,7 @@ class Transition:
     change: Callable[[Rollout, datetime], None]
     precondition: Callable[[Rollout], None] | None = None  # raises a Conflict to refuse
     recheck_gate: bool = False  # enqueue the gate check when it lands in pending or gating
+    gives_traffic: bool = False  # the candidate may get more traffic: it must be deployable
 
 
 def _enter_stage(rollout: Rollout, index: int, now: datetime) -> None:
@@ -127,9 +128,14 @@ TRANSITIONS: dict[str, Transition] = {
         "rollout.stage_start",
         frozenset({S.RUNNING}),
         lambda r, now: _enter_stage(r, r.stage_index + 1, now),
+        gives_traffic=True,
     ),
     "promote": Transition(
-        "promote", "rollout.promote", frozenset({S.RUNNING, S.PAUSED}), _finish_as(S.PROMOTED)
+        "promote",
+        "rollout.promote",
+        frozenset({S.RUNNING, S.PAUSED}),
+        _finish_as(S.PROMOTED),
+        gives_traffic=True,
     ),
     # Freeze where it is: the canary keeps its weight; analysis stops deciding.
     "pause": Transition(
@@ -137,7 +143,12 @@ TRANSITIONS: dict[str, Transition] = {
     ),
     # Back to the state it was paused from; a running stage starts its clock again.
     "resume": Transition(
-        "resume", "rollout.resume", frozenset({S.PAUSED}), _resume, recheck_gate=True
+        "resume",
+        "rollout.resume",
+        frozenset({S.PAUSED}),
+        _resume,
+        recheck_gate=True,
+        gives_traffic=True,
     ),
     # Canary weight 0 at once; the stable version keeps every request.
     "rollback": Transition(
@@ -157,6 +168,7 @@ TRANSITIONS: dict[str, Transition] = {
         _retry,
         precondition=_retry_precondition,
         recheck_gate=True,
+        gives_traffic=True,
     ),
     # The analysis could not decide yet: the stage runs longer.
     "extend": Transition("extend", "rollout.extend", frozenset({S.RUNNING}), _extend),
@@ -169,6 +181,7 @@ TRANSITIONS: dict[str, Transition] = {
         "rollout.stage_start",
         frozenset({S.GATING}),
         lambda r, now: _enter_stage(r, 0, now),
+        gives_traffic=True,
     ),
 }
 
@@ -252,6 +265,23 @@ def _apply(
     return rollout
 
 
+def _check_candidate_deployable(rollout: Rollout) -> None:
+    """Refuse more traffic for a candidate that was revoked (or deprecated) meanwhile. The
+    version row is locked: a revocation commits either before (refused here) or after
+    (and then ends the rollout, decisions.rollouts_stop_for_revoked_candidate)."""
+    status = (
+        ModelVersion.objects.select_for_update()
+        .values_list("status", flat=True)
+        .get(pk=rollout.candidate_id)
+    )
+    if status not in DEPLOYABLE_STATUSES:
+        raise Conflict(
+            "candidate_not_deployable",
+            f"The candidate {rollout.candidate} is {status}; it may not receive traffic.",
+            fields={"candidate_status": status},
+        )
+
+
 def _require_reason(reason: str) -> str:
     reason = (reason or "").strip()
     if not reason:
@@ -280,6 +310,8 @@ def transition(
     _check(rollout, spec, Expected(expected_state, expected_stage, expected_revision))
     if spec.precondition is not None:
         spec.precondition(rollout)
+    if spec.gives_traffic:
+        _check_candidate_deployable(rollout)
     if name == "advance" and rollout.stage_index + 1 >= len(rollout.stages):
         spec = TRANSITIONS["promote"]  # the last stage done: the candidate is the stable one
     rollout = _apply(rollout, spec, actor=actor, reason=reason, extra=extra)
@@ -356,6 +388,8 @@ def rollout_gate_check(*, rollout_id: int) -> Rollout:
     if rollout.state != RolloutState.GATING:
         return rollout
     reasons = _gate_reasons(rollout)
+    if rollout.candidate.status not in DEPLOYABLE_STATUSES:
+        reasons.append(f"the candidate is {rollout.candidate.status}")
     if reasons:
         if reasons != rollout.gate_reasons:
             rollout.gate_reasons = reasons

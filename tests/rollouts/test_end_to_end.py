@@ -32,6 +32,7 @@ import redis
 from django.conf import settings
 from django.core.management import call_command
 from django.test import override_settings
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from contracts.routing import parse_routing_table, routing_key
@@ -186,6 +187,7 @@ class Stack:
     redis: redis.Redis
     on_call: Any
     logs: list[Path]
+    release_manager: Any
 
     def tail(self) -> str:
         return "\n".join(
@@ -231,6 +233,7 @@ def stack(committed_db, django_db_blocker, tmp_path_factory) -> Iterator[Stack]:
         try:
             agent_user = make_user("agent-service", Role.AGENT)
             on_call = make_user("on-call", Role.ON_CALL)
+            release_manager = make_user("release-manager", Role.RELEASE_MANAGER)
             token_file = tmp / "agent-token"
             token_file.write_text(access_token_create(user=agent_user, name="agents").raw_token)
             signer = Signer("release-key", _new_private_key())
@@ -292,7 +295,9 @@ def stack(committed_db, django_db_blocker, tmp_path_factory) -> Iterator[Stack]:
             key = api_key_create(actor=None, tenant=tenant, name="e2e").raw_key
             monitor = RoutingMonitor(client=client)
             traffic = Traffic(url=gateway.url, key=key)
-            stack = Stack(tmp, versions, deployment, traffic, monitor, client, on_call, logs)
+            stack = Stack(
+                tmp, versions, deployment, traffic, monitor, client, on_call, logs, release_manager
+            )
             wait_until(
                 lambda: (
                     stack.routed() == {versions["f32"].pk: 100}
@@ -570,3 +575,62 @@ def test_c_a_candidate_failing_evaluation_never_receives_traffic(stack, django_d
         outcomes = settle(stack, traffic_start)
         assert RequestSample.objects.filter(version=candidate).count() == samples_before
         assert [o for o in outcomes if not o.ok] == []
+
+
+def test_d_revoking_the_candidate_mid_rollout_stops_serving_it(stack, django_db_blocker) -> None:
+    with django_db_blocker.unblock():
+        stable_id = stack.stable_id()
+        candidate = stack.versions["drill"]
+        rollout = deployments.rollout_create(
+            actor=None,
+            deployment=stack.deployment,
+            candidate=candidate,
+            stages=[{"weight": 50, "min_duration_s": 600, "min_requests": 2}],
+            policy=WIDE_POLICY,
+            reason="e2e: candidate revoked mid-rollout",
+        )
+        wait_until(
+            lambda: stack.routed() == {stable_id: 50, candidate.pk: 50},
+            timeout=READY_S,
+            interval=0.2,
+            message=stack.tail,
+        )
+        served_before = RequestSample.objects.filter(version=candidate).count()
+        wait_until(
+            lambda: RequestSample.objects.filter(version=candidate).count() >= served_before + 2,
+            timeout=60,
+            message=stack.tail,
+        )
+        traffic_start = stack.traffic.mark()
+        agent = Agent.objects.get(loaded_version=candidate, state="ready")
+        api = APIClient()
+        api.force_login(stack.release_manager)
+        response = api.post(
+            f"/api/v1/versions/{candidate.pk}/revoke/", {"reason": "e2e: leaked"}, format="json"
+        )
+        assert response.status_code == 200, response.content
+
+        # Ended by the system with the reason, within a reconcile interval or an analysis tick.
+        rollout = wait_state(stack, rollout, {"rolled_back"}, 30)
+        assert rollout.state_reason == f"the candidate {candidate} was revoked: e2e: leaked"
+        assert audit_actions(rollout)[-1] == ("rollout.rollback", True)
+        wait_until(lambda: stack.routed() == {stable_id: 100}, timeout=30)
+        # Its agent is drained, and nothing loads it again.
+        wait_until(
+            lambda: Agent.objects.get(pk=agent.pk).loaded_version_id != candidate.pk,
+            timeout=60,
+            message=stack.tail,
+        )
+        drained_at = timezone.now()
+        outcomes = settle(stack, traffic_start)
+        # Revocation fails no request: the stable version takes the canary's share.
+        assert [o for o in outcomes if not o.ok] == []
+        # Once ingest has caught up past the drain, no request there was the candidate's.
+        wait_until(
+            lambda: RequestSample.objects.filter(finished_at__gt=drained_at).count() >= 4,
+            timeout=30,
+            message=stack.tail,
+        )
+        assert not RequestSample.objects.filter(
+            version=candidate, finished_at__gt=drained_at
+        ).exists()
