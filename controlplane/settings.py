@@ -301,6 +301,13 @@ ROLLOUTS_COMMAND_WAIT_S = float(os.environ.get("ROLLOUTS_COMMAND_WAIT_S", "300")
 # An agent whose version nobody routes to is drained after this grace period.
 ROLLOUTS_DRAIN_GRACE_S = float(os.environ.get("ROLLOUTS_DRAIN_GRACE_S", "10"))
 ROLLOUTS_WEBHOOK_TIMEOUT_S = float(os.environ.get("ROLLOUTS_WEBHOOK_TIMEOUT_S", "5"))
+# Networks (CIDRs, comma-separated) webhook targets may resolve to although they are
+# loopback, private or link-local; by default none (rollouts/webhook_targets.py).
+ROLLOUTS_WEBHOOK_ALLOWED_NETWORKS = env_list("ROLLOUTS_WEBHOOK_ALLOWED_NETWORKS", "")
+CELERY_BEAT_SCHEDULE["rollouts-webhook-sweep"] = {
+    "task": "rollouts.webhook_sweep",
+    "schedule": 60.0,
+}
 CELERY_BEAT_SCHEDULE["rollouts-analyze"] = {
     "task": "rollouts.analyze_all",
     "schedule": float(ROLLOUTS_ANALYSIS_INTERVAL_S),

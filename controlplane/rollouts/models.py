@@ -10,6 +10,7 @@ from typing import Any, TypedDict
 
 from django.conf import settings
 from django.db import models
+from django.utils import timezone
 
 
 class Stage(TypedDict):
@@ -204,8 +205,25 @@ class DeliveryStatus(models.TextChoices):
     FAILED = "failed", "Failed"
 
 
+class DeliveryError(models.TextChoices):
+    """Why the last attempt failed, as a category: the receiver's or resolver's own error
+    text never leaves the worker (it would map internal networks for whoever reads it)."""
+
+    TARGET_FORBIDDEN = "target_forbidden", "Target forbidden"
+    DNS_ERROR = "dns_error", "DNS error"
+    CONNECT_ERROR = "connect_error", "Connect error"
+    TLS_ERROR = "tls_error", "TLS error"
+    TIMEOUT = "timeout", "Timeout"
+    TRANSPORT_ERROR = "transport_error", "Transport error"
+    HTTP_3XX = "http_3xx", "HTTP 3xx"
+    HTTP_4XX = "http_4xx", "HTTP 4xx"
+    HTTP_5XX = "http_5xx", "HTTP 5xx"
+    INTERRUPTED = "interrupted", "Interrupted"
+
+
 class WebhookDelivery(models.Model):
-    """An outbox row written in the transition's transaction; a Celery task sends it."""
+    """An outbox row written in the transition's transaction; a Celery task sends it, and
+    the sweep sends again any whose task was lost."""
 
     endpoint = models.ForeignKey(
         WebhookEndpoint, on_delete=models.CASCADE, related_name="deliveries"
@@ -218,7 +236,9 @@ class WebhookDelivery(models.Model):
     )
     attempts = models.PositiveIntegerField(default=0)
     last_status_code = models.PositiveIntegerField(null=True, blank=True)
-    last_error = models.TextField(blank=True)
+    last_error = models.CharField(max_length=32, choices=DeliveryError.choices, blank=True)
+    # When a pending delivery is due; while an attempt runs, the end of its lease.
+    next_attempt_at = models.DateTimeField(default=timezone.now)
     created_at = models.DateTimeField(auto_now_add=True)
     delivered_at = models.DateTimeField(null=True, blank=True)
 
@@ -227,6 +247,13 @@ class WebhookDelivery(models.Model):
         constraints = [
             models.UniqueConstraint(
                 fields=["endpoint", "event_id"], name="rollouts_one_delivery_per_event"
+            )
+        ]
+        indexes = [
+            models.Index(
+                fields=["next_attempt_at"],
+                condition=models.Q(status="pending"),
+                name="rollouts_delivery_pending_due",
             )
         ]
 

@@ -133,6 +133,8 @@ class WebhookEndpointCreateSerializer(StrictSerializer):
 
 
 class WebhookDeliverySerializer(serializers.ModelSerializer):
+    """`last_error` is a category (models.DeliveryError), never the error's own text."""
+
     endpoint = serializers.SlugRelatedField(slug_field="name", read_only=True)
 
     class Meta:
@@ -147,6 +149,7 @@ class WebhookDeliverySerializer(serializers.ModelSerializer):
             "attempts",
             "last_status_code",
             "last_error",
+            "next_attempt_at",
             "created_at",
             "delivered_at",
         ]

@@ -6,6 +6,7 @@
   `rollouts.evaluate_energy` follows it when the suite asks for joules per token).
 - `rollouts.analyze_all` (beat) -> `rollouts.analyze` per running rollout and tick.
 - `rollouts.webhook_deliver`: one signed POST, retried with backoff on transient errors.
+- `rollouts.webhook_sweep` (beat): fails spent deliveries, re-enqueues those whose task was lost.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import logging
 from datetime import UTC, datetime
 
-import httpx
 from celery import Task, shared_task
 from django.conf import settings
 from django.utils import timezone
@@ -169,16 +169,17 @@ def rollout_analyze(rollout_id: int, window_end: str) -> None:
         logger.info("analysis skipped: rollout gone", extra={"rollout": rollout_id})
 
 
-@shared_task(
-    name=hooks.WEBHOOK_DELIVER_TASK,
-    acks_late=True,
-    reject_on_worker_lost=True,
-    ignore_result=True,
-    autoretry_for=(httpx.TransportError, webhooks.TransientDeliveryError),
-    retry_backoff=2,
-    retry_backoff_max=300,
-    retry_jitter=True,
-    max_retries=8,
-)
-def webhook_deliver(delivery_id: int) -> None:
-    webhooks.delivery_send(delivery_id=delivery_id)
+@shared_task(name=hooks.WEBHOOK_DELIVER_TASK, bind=True, max_retries=None, **TASK_OPTIONS)
+def webhook_deliver(self: Task, delivery_id: int) -> None:
+    """One attempt; the row keeps the count and the backoff (webhooks.MAX_ATTEMPTS)."""
+    try:
+        webhooks.delivery_send(delivery_id=delivery_id)
+    except webhooks.TransientDeliveryError as exc:
+        raise self.retry(eta=exc.retry_at) from None
+
+
+@shared_task(name="rollouts.webhook_sweep", **TASK_OPTIONS)
+def webhook_sweep() -> None:
+    """Beat: fail spent deliveries, send again the ones whose task was lost."""
+    for delivery_id in webhooks.deliveries_sweep():
+        webhook_deliver.delay(delivery_id)

@@ -1,8 +1,6 @@
 """Outgoing webhooks: signed, delivered once, retried only on transient answers."""
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -11,31 +9,16 @@ from controlplane.rollouts.models import WebhookDelivery
 from controlplane.rollouts.tasks import webhook_deliver
 from controlplane.rollouts.transitions import TRANSITIONS
 from tests.rollouts.conftest import running_rollout
-
-SECRET = "s3cret-for-webhook-tests"
+from tests.rollouts.webhook_support import LOOPBACK, SECRET, Receiver, make_due
 
 
 @pytest.fixture
-def receiver():
-    received: list[tuple[dict[str, str], bytes]] = []
-    answers: list[int] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            received.append((dict(self.headers), body))
-            self.send_response(answers.pop(0) if answers else 204)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/hook", received, answers
-    server.shutdown()
-    server.server_close()
+def receiver(settings):
+    """A receiver on loopback, which the operator setting allows for these tests."""
+    settings.ROLLOUTS_WEBHOOK_ALLOWED_NETWORKS = [LOOPBACK]
+    receiver = Receiver()
+    yield receiver.url(), receiver.received, receiver.answers
+    receiver.close()
 
 
 def test_a_transition_is_delivered_signed_and_only_once(
@@ -77,7 +60,12 @@ def test_a_transition_is_delivered_signed_and_only_once(
         0,
     )
     delivery.refresh_from_db()
-    assert (delivery.status, delivery.attempts, delivery.last_status_code) == ("succeeded", 1, 204)
+    assert (
+        delivery.status,
+        delivery.attempts,
+        delivery.last_status_code,
+        delivery.last_error,
+    ) == ("succeeded", 1, 204, "")
 
 
 def test_a_server_error_is_transient_and_a_client_error_is_final(
@@ -91,11 +79,46 @@ def test_a_server_error_is_transient_and_a_client_error_is_final(
     with pytest.raises(webhooks.TransientDeliveryError):
         webhooks.delivery_send(delivery_id=first.pk)
     first.refresh_from_db()
-    assert (first.status, first.attempts, first.last_status_code) == ("pending", 1, 503)
+    assert (first.status, first.attempts, first.last_status_code, first.last_error) == (
+        "pending",
+        1,
+        503,
+        "http_5xx",
+    )
+    webhooks.delivery_send(delivery_id=first.pk)  # before its backoff: not attempted
+    assert len(received) == 1
+    make_due(first)
     webhooks.delivery_send(delivery_id=first.pk)
     first.refresh_from_db()
-    assert (first.status, first.attempts, first.last_status_code) == ("failed", 2, 404)
+    assert (first.status, first.attempts, first.last_status_code, first.last_error) == (
+        "failed",
+        2,
+        404,
+        "http_4xx",
+    )
     assert len(received) == 2
+
+
+def test_the_last_transient_failure_is_final(deployment, versions, receiver) -> None:
+    url, received, answers = receiver
+    webhooks.webhook_endpoint_create(actor=None, name="ops", url=url, secret=SECRET, events=["*"])
+    running_rollout(deployment, versions[1])
+    first, *_ = WebhookDelivery.objects.order_by("id")
+    answers.extend([503] * webhooks.MAX_ATTEMPTS)
+    for _ in range(webhooks.MAX_ATTEMPTS - 1):
+        with pytest.raises(webhooks.TransientDeliveryError):
+            webhooks.delivery_send(delivery_id=first.pk)
+        make_due(first)
+    webhooks.delivery_send(delivery_id=first.pk)
+    webhooks.delivery_send(delivery_id=first.pk)  # spent: never sent again
+    first.refresh_from_db()
+    assert (first.status, first.attempts, first.last_status_code, first.last_error) == (
+        "failed",
+        webhooks.MAX_ATTEMPTS,
+        503,
+        "http_5xx",
+    )
+    assert len(received) == webhooks.MAX_ATTEMPTS
 
 
 def test_signature_is_hmac_sha256_over_timestamp_and_body() -> None:
