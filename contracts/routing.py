@@ -20,9 +20,10 @@ Requests (written by the gateway after every routed request, read by ingest):
   been given and acknowledged, so an ingest outage delays usage but never drops it. While
   the stream holds `GATEWAY_REQUESTS_STREAM_MAX_LENGTH` entries, gateways spool new ones
   to disk instead.
-- `telemetry:requests:lost`: a hash ingest writes when entries left the stream before its
-  group read them (trimmed by hand, or by a gateway still adding with MAXLEN): `total`,
-  `last_count` and `last_at` (unix seconds). The dashboard shows it as an alert.
+- `{telemetry:requests}:lost` (on the stream's cluster slot): a hash ingest writes when
+  entries left the stream before its group read them (trimmed by hand, or by a gateway
+  still adding with MAXLEN): `total`, `last_count` and `last_at` (unix seconds). The
+  dashboard shows it as an alert.
 
 Pure Python on purpose: the gateway, the reconciler and tests share it.
 """

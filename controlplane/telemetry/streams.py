@@ -23,10 +23,12 @@ trimmed by hand, or by a writer still using MAXLEN): the group has read `entries
 entries up to its last-delivered id; once the stream's first entry lies beyond that id, the
 entries that have left the stream (`entries-added` - `length`) number more than the group
 read by exactly those it never read. They are counted (`ingest_lost_entries_total{stream}`),
-logged and recorded in `<stream>:lost` (a hash: `total`, `last_count`, `last_at`) for the
+logged and recorded in `{<stream>}:lost` (a hash: `total`, `last_count`, `last_at`) for the
 dashboard, and the group's counter is set to the entries that left (`XGROUP SETID ...
 ENTRIESREAD`; Redis 7.0 goes on adding one per entry read after a gap, so they would
 otherwise be counted again), in one script so that two ingesters count a gap once.
+Entries trimmed while pending (delivered, not yet applied: a failed batch, a dead
+consumer) come back without fields; they are counted and recorded the same way.
 
 `on_tick(is_caught_up)` runs every `tick_every_s` whether or not entries keep coming
 (periodic work such as lost-agent detection must not wait for an idle moment);
@@ -189,6 +191,7 @@ class StreamIngestor:
         parsed: list[Any] = []
         parsed_ids: list[str] = []
         ids: list[str] = []
+        deleted = 0
         for raw_id, raw_fields in entries:
             if type(raw_id) is str:  # a client that decodes replies (hiredis does it in C)
                 entry_id, fields = raw_id, raw_fields
@@ -201,6 +204,7 @@ class StreamIngestor:
                 )
             ids.append(entry_id)
             if fields is None:  # deleted while pending
+                deleted += 1
                 continue
             try:
                 parsed.append(handler.parse(entry_id, fields))
@@ -218,6 +222,8 @@ class StreamIngestor:
             with BATCH_SECONDS.labels(stream).time():
                 applied = self._apply(stream, handler, parsed, parsed_ids)
             ENTRIES_TOTAL.labels(stream).inc(applied)
+        if deleted and _is_trimmed_by_ingest(handler):
+            self._record_lost(stream, deleted)  # delivered, then trimmed before applied
         if ids:
             self.client.xack(stream, self.group, *ids)
         return len(ids)
@@ -267,10 +273,15 @@ class StreamIngestor:
                     count=self.batch_size,
                 )
                 next_start, entries = _text(result[0]), result[1]
+                # Pending entries no longer in the stream: Redis drops them from the
+                # group's pending list and names them here.
+                deleted = result[2] if len(result) > 2 else []
+                if deleted and _is_trimmed_by_ingest(self.handlers[stream]):
+                    self._record_lost(stream, len(deleted))
                 if entries:
                     CLAIMED_TOTAL.labels(stream).inc(len(entries))
                     claimed += self._process(stream, entries)
-                if next_start == "0-0" or not entries:
+                if next_start == "0-0" or not (entries or deleted):
                     break
                 start = next_start
         return claimed
@@ -315,7 +326,7 @@ class StreamIngestor:
         then count entries that left it unread (once trimmed, the stream's first entry lies
         beyond what the group read, which is when a gap shows)."""
         for stream, handler in self.handlers.items():
-            if not getattr(handler, "is_trimmed_by_ingest", False):
+            if not _is_trimmed_by_ingest(handler):
                 continue
             try:
                 self._trim(stream)
@@ -339,12 +350,24 @@ class StreamIngestor:
                 extra={"stream": stream, "group": self.group},
             )
         self._is_read_count_unknown[stream] = is_unknown
-        if lost > 0:
-            LOST_TOTAL.labels(stream).inc(lost)
-            logger.error(
-                "entries left the stream before ingest read them",
-                extra={"stream": stream, "group": self.group, "lost": lost},
-            )
+        if lost > 0:  # the script recorded it
+            self._note_lost(stream, lost)
+
+    def _record_lost(self, stream: str, lost: int) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hincrby(lost_entries_key(stream), "total", lost)
+        pipe.hset(
+            lost_entries_key(stream), mapping={"last_count": lost, "last_at": repr(time.time())}
+        )
+        pipe.execute()
+        self._note_lost(stream, lost)
+
+    def _note_lost(self, stream: str, lost: int) -> None:
+        LOST_TOTAL.labels(stream).inc(lost)
+        logger.error(
+            "entries left the stream before ingest applied them",
+            extra={"stream": stream, "group": self.group, "lost": lost},
+        )
 
     def _trim(self, stream: str) -> None:
         point: tuple[int, int] | None = None
@@ -423,7 +446,8 @@ class StreamLoss:
 
 
 def lost_entries_key(stream: str) -> str:
-    return f"{stream}:lost"
+    # The hash tag puts it on the stream's cluster slot: one script writes both.
+    return f"{{{stream}}}:lost"
 
 
 def stream_loss_get(client: redis.Redis, stream: str) -> StreamLoss | None:
@@ -452,6 +476,10 @@ def _next_id(entry_id: tuple[int, int]) -> tuple[int, int]:
     if sequence == 2**64 - 1:
         return milliseconds + 1, 0
     return milliseconds, sequence + 1
+
+
+def _is_trimmed_by_ingest(handler: StreamHandler) -> bool:
+    return bool(getattr(handler, "is_trimmed_by_ingest", False))
 
 
 def _text(value: Any) -> str:

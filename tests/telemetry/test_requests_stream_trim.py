@@ -5,6 +5,7 @@ the real requests handler ingests them, and the dashboard shows a loss.
 """
 
 import asyncio
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -60,14 +61,15 @@ def record(setup: Setup, index: int) -> RequestRecord:
 
 
 def ingestor(client: redis.Redis, consumer: str = "ingest-1", **options: Any) -> StreamIngestor:
-    """Ingest's consumer of the requests stream; it trims only when the test says so."""
+    """Ingest's consumer of the requests stream; unless told, it trims only when the test
+    says so (`trim_acknowledged`)."""
+    options.setdefault("trim_every_s", math.inf)
     made = StreamIngestor(
         client=client,
         group="ingest",
         consumer=consumer,
         handlers={REQUESTS_STREAM: RequestsStreamHandler()},
         block_ms=10,
-        trim_every_s=3600,
         **options,
     )
     made.ensure_groups()
@@ -202,6 +204,18 @@ def test_the_stream_is_trimmed_only_below_what_every_group_acknowledged(redis_cl
     assert stream_loss_get(redis_client, REQUESTS_STREAM) is None
 
 
+def test_the_ingest_loop_trims_what_it_acknowledged_on_its_own(redis_client):
+    setup = make_setup()
+    records = [record(setup, index) for index in range(5)]
+    looping = ingestor(redis_client, trim_every_s=0)
+    for item in records:
+        redis_client.xadd(REQUESTS_STREAM, item.to_fields())
+    assert redis_client.xlen(REQUESTS_STREAM) == 5
+    drain(looping)
+    assert redis_client.xlen(REQUESTS_STREAM) == 0
+    assert usage(setup.tenant) == usage_of(records)
+
+
 def test_entries_trimmed_unread_are_counted_and_shown_on_the_overview(redis_client, client_for):
     setup = make_setup()
     records = [record(setup, index) for index in range(15)]
@@ -247,6 +261,41 @@ def test_entries_trimmed_unread_are_counted_and_shown_on_the_overview(redis_clie
     assert 'data-testid="usage-lost"' in text
     assert "3 request entries left the requests stream before ingest read them" in text
     assert "7 in all" in text
+
+
+def test_entries_trimmed_while_pending_are_counted(redis_client):
+    setup = make_setup()
+    records = [record(setup, index) for index in range(8)]
+    ingestor(redis_client)  # the group
+    ids = [redis_client.xadd(REQUESTS_STREAM, item.to_fields()) for item in records]
+    lost_before = lost_total()
+    # Consumers take entries and stop before applying them (crashed; a failed batch left
+    # pending looks the same): "ingest-1" takes 0-2, "ingest-dead" takes 3-4.
+    redis_client.xreadgroup("ingest", "ingest-1", {REQUESTS_STREAM: ">"}, count=3)
+    redis_client.xreadgroup("ingest", "ingest-dead", {REQUESTS_STREAM: ">"}, count=2)
+
+    # 0-1 are trimmed by hand while pending; restarted, "ingest-1" reads its own pending
+    # entries first, and they come back without fields.
+    redis_client.xtrim(REQUESTS_STREAM, minid=ids[2], approximate=False)
+    restarted = ingestor(redis_client, claim_idle_ms=3_600_000)
+    drain(restarted)
+    loss = stream_loss_get(redis_client, REQUESTS_STREAM)
+    assert loss is not None
+    assert (lost_total() - lost_before, loss.total, loss.last_count) == (2, 2, 2)
+
+    # 3 is trimmed while the dead consumer holds it; another consumer claims its entries
+    # and Redis reports 3 gone.
+    redis_client.xtrim(REQUESTS_STREAM, minid=ids[4], approximate=False)
+    survivor = ingestor(redis_client, consumer="ingest-2", claim_idle_ms=0)
+    drain(survivor)
+    survivor.trim_acknowledged()
+
+    loss = stream_loss_get(redis_client, REQUESTS_STREAM)
+    assert loss is not None
+    assert (lost_total() - lost_before, loss.total, loss.last_count) == (3, 3, 1)
+    assert usage(setup.tenant) == usage_of(records[2:3] + records[4:])
+    assert redis_client.xpending(REQUESTS_STREAM, "ingest")["pending"] == 0
+    assert redis_client.xlen(REQUESTS_STREAM) == 0
 
 
 def test_the_overview_alerts_only_for_a_loss_in_the_last_week(redis_client, client_for):
