@@ -14,8 +14,16 @@ Routing (written by the rollouts reconciler, today by
 
 Requests (written by the gateway after every routed request, read by ingest):
 
-- `telemetry:requests`: one flat entry per finished request (`RequestRecord`),
-  trimmed with an approximate MAXLEN. Ingest is idempotent on `request_id`.
+- `telemetry:requests`: one flat entry per finished request (`RequestRecord`). Ingest is
+  idempotent on `request_id`. The gateway adds entries without MAXLEN: an entry leaves the
+  stream only when ingest trims it (`XTRIM ... MINID`), below what every consumer group has
+  been given and acknowledged, so an ingest outage delays usage but never drops it. While
+  the stream holds `GATEWAY_REQUESTS_STREAM_MAX_LENGTH` entries, gateways spool new ones
+  to disk instead.
+- `{telemetry:requests}:lost` (on the stream's cluster slot): a hash ingest writes when
+  entries left the stream before its group read them (trimmed by hand, or by a gateway
+  still adding with MAXLEN): `total`, `last_count` and `last_at` (unix seconds). The
+  dashboard shows it as an alert.
 
 Pure Python on purpose: the gateway, the reconciler and tests share it.
 """
@@ -40,7 +48,6 @@ ROUTING_INDEX_KEY = "routing:deployments"
 ROUTING_CHANNEL = "routing:changed"
 
 REQUESTS_STREAM = "telemetry:requests"
-REQUESTS_MAXLEN = 1_000_000
 
 DEPLOYMENT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,99}$")
 REQUEST_ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")

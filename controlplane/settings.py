@@ -266,6 +266,13 @@ GATEWAY_MAX_BODY_BYTES = int(os.environ.get("GATEWAY_MAX_BODY_BYTES", str(4 * 10
 GATEWAY_SPOOL_DIR = Path(os.environ.get("GATEWAY_SPOOL_DIR", DEMO_DIR / "gateway-spool"))
 GATEWAY_SPOOL_MAX_BYTES = int(os.environ.get("GATEWAY_SPOOL_MAX_BYTES", str(64 * 1024 * 1024)))
 GATEWAY_SPOOL_RETRY_S = float(os.environ.get("GATEWAY_SPOOL_RETRY_S", "2"))
+# Only ingest trims the requests stream (below what it acknowledged); while the stream holds
+# this many entries (about 220 bytes each in Redis), gateways spool new ones instead.
+GATEWAY_REQUESTS_STREAM_MAX_LENGTH = int(
+    os.environ.get("GATEWAY_REQUESTS_STREAM_MAX_LENGTH", "5000000")
+)
+if GATEWAY_REQUESTS_STREAM_MAX_LENGTH < 1:
+    raise ImproperlyConfigured("GATEWAY_REQUESTS_STREAM_MAX_LENGTH must be at least 1")
 # Tokens reserved against tokens_per_minute for a request without max_tokens.
 GATEWAY_DEFAULT_COMPLETION_TOKENS = int(os.environ.get("GATEWAY_DEFAULT_COMPLETION_TOKENS", "256"))
 # Settled fleet energy rollups are attributed to tenants by tokens this often.

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import redis
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
@@ -26,9 +27,11 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
+from contracts.routing import REQUESTS_STREAM
 from controlplane.audit.selectors import audit_event_list
 from controlplane.core import access
 from controlplane.core.errors import DomainError, Forbidden, NotFound
+from controlplane.core.redis_clients import redis_client
 from controlplane.dashboard import forms, presenters
 from controlplane.fleet import selectors as fleet_selectors
 from controlplane.fleet import services as fleet_services
@@ -38,6 +41,7 @@ from controlplane.registry.models import DEPLOYABLE_STATUSES
 from controlplane.rollouts import selectors as rollout_selectors
 from controlplane.rollouts import stages, transitions
 from controlplane.rollouts.models import ACTIVE_STATES, Rollout
+from controlplane.telemetry.streams import StreamLoss, stream_loss_get
 from controlplane.tenants import selectors as tenant_selectors
 from controlplane.tenants import services as tenant_services
 
@@ -45,6 +49,7 @@ SPARKLINE_WINDOW = timedelta(minutes=10)
 ENERGY_WINDOW = timedelta(minutes=5)
 AUDIT_PAGE_SIZE = 50
 ANALYSIS_RUNS_SHOWN = 200
+USAGE_LOST_ALERT_WINDOW = timedelta(days=7)
 
 
 def _require(allowed: bool) -> None:
@@ -115,6 +120,21 @@ def _active_rollouts() -> list[dict[str, Any]]:
     return rows
 
 
+def _usage_lost() -> StreamLoss | None:
+    """Requests-stream entries ingest found gone before it read them, for the alert: shown
+    for a week after the last such gap; not at all when Redis cannot say."""
+    client = redis_client(decode_responses=True)
+    try:
+        loss = stream_loss_get(client, REQUESTS_STREAM)
+    except (redis.RedisError, OSError):
+        return None
+    finally:
+        client.close()
+    if loss is None or timezone.now() - loss.last_at > USAGE_LOST_ALERT_WINDOW:
+        return None
+    return loss
+
+
 @login_required
 @require_GET
 def overview(request: HttpRequest) -> HttpResponse:
@@ -126,6 +146,7 @@ def overview(request: HttpRequest) -> HttpResponse:
         "fleet": _fleet_summary(),
         "active_rollouts": _active_rollouts(),
         "recent_events": audit_event_list(user=request.user)[:12],
+        "usage_lost": _usage_lost(),
     }
     return _render(
         request,

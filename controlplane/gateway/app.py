@@ -27,8 +27,6 @@ from prometheus_client import Counter
 
 from contracts.openai_request import CHECKS, RequestFieldError
 from contracts.routing import (
-    REQUESTS_MAXLEN,
-    REQUESTS_STREAM,
     ROUTING_CHANNEL,
     Affinity,
     RequestRecord,
@@ -48,7 +46,13 @@ from controlplane.gateway.http_io import (
 from controlplane.gateway.metering import StreamMeter, prompt_text
 from controlplane.gateway.outcome import Outcome, request_record, watch_disconnect
 from controlplane.gateway.ratelimit import Admission, Headroom, token_reservation
-from controlplane.gateway.recorder import KeyUses, RedisBatcher, keys_touch
+from controlplane.gateway.recorder import (
+    KeyUses,
+    RedisBatcher,
+    RequestsStreamFull,
+    keys_touch,
+    spooled_entries_write,
+)
 from controlplane.gateway.relay import Relay
 from controlplane.gateway.selectors import KeyGrant
 from controlplane.gateway.spool import Spool
@@ -208,10 +212,7 @@ class Gateway:
                 logger.warning("routing refresh failed", extra={"error": str(exc)})
 
     def _write_entries(self, entries: list[dict[str, str]]) -> None:
-        pipe = self.sync_redis.pipeline(transaction=False)
-        for fields in entries:
-            pipe.xadd(REQUESTS_STREAM, fields, maxlen=REQUESTS_MAXLEN, approximate=True)  # type: ignore[arg-type]
-        pipe.execute()
+        spooled_entries_write(self.sync_redis, entries)
 
     async def _replay_spool_periodically(self) -> None:
         while not self._stopping.is_set():
@@ -220,6 +221,8 @@ class Gateway:
                     await asyncio.to_thread(self.spool.replay, self._write_entries)
             except asyncio.CancelledError:
                 raise
+            except RequestsStreamFull:
+                pass  # the batcher logs when the stream fills and when it drains
             except Exception as exc:
                 logger.warning("spool replay failed; will retry", extra={"error": str(exc)})
             await self._pause(settings.GATEWAY_SPOOL_RETRY_S)

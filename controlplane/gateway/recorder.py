@@ -25,6 +25,14 @@ the real tokens of the requests before it. (Sending admissions ahead of the batc
 batches over several pooled connections at once, let an admission overtake the
 settlement before it and admit a tenant past its limit.)
 
+The requests stream has no MAXLEN: only ingest trims it, below what it has acknowledged,
+so entries wait in Redis for as long as ingest is away. To keep Redis bounded all the
+same, every batch that carries entries ends with an XLEN, and while the last length seen
+is `GATEWAY_REQUESTS_STREAM_MAX_LENGTH` or more, the entries of the next batches go to the
+spool instead of the stream (its replay waits for the same condition): no extra round
+trip and no script, at the price of one batch of overshoot per gateway process, since
+the length is one batch old.
+
 A batch that Redis does not take (connection lost, a command refused) leaves nothing
 behind: its admissions fail (the caller admits without a limit check, as when Redis is
 away), its stream entries go to the spool, every one of them. An entry is in the
@@ -45,10 +53,11 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from django.conf import settings
 from django.db import close_old_connections
 from redis.exceptions import NoScriptError
 
-from contracts.routing import REQUESTS_MAXLEN, REQUESTS_STREAM
+from contracts.routing import REQUESTS_STREAM
 from controlplane.gateway.ratelimit import (
     ADMIT_SCRIPT,
     SETTLE_SCRIPT,
@@ -66,6 +75,27 @@ Settlement = tuple[int, int, int] | None
 
 GATHER_S = 0.002
 MAX_BATCH = 256
+HELD_BACK = object()  # the result of an entry kept out of a full stream
+
+
+class RequestsStreamFull(Exception):
+    """The requests stream holds its maximum length; entries wait in the spool."""
+
+
+def requests_stream_is_full(length: int) -> bool:
+    return length >= settings.GATEWAY_REQUESTS_STREAM_MAX_LENGTH
+
+
+def spooled_entries_write(client: redis.Redis, entries: list[dict[str, str]]) -> None:
+    """The spool's writer: XADD every entry, or raise while the stream is full (as the
+    batcher judges it), which leaves them in the spool for the next replay."""
+    length: Any = client.xlen(REQUESTS_STREAM)
+    if requests_stream_is_full(length):
+        raise RequestsStreamFull(f"{REQUESTS_STREAM} holds {length} entries")
+    pipe = client.pipeline(transaction=False)
+    for fields in entries:
+        pipe.xadd(REQUESTS_STREAM, fields)  # type: ignore[arg-type]
+    pipe.execute()
 
 
 class RedisBatcher:
@@ -88,6 +118,7 @@ class RedisBatcher:
         self._is_due = asyncio.Event()
         self._spooling: set[asyncio.Task[None]] = set()
         self._is_closing = False
+        self._stream_length = 0  # XLEN of the requests stream after the last batch of entries
 
     def admit(
         self,
@@ -175,7 +206,9 @@ class RedisBatcher:
         for command, result in zip(batch, results, strict=True):
             future = command.admission
             if command.entry is not None:
-                if isinstance(result, Exception):
+                if result is HELD_BACK:
+                    unwritten.append(command.entry)
+                elif isinstance(result, Exception):
                     logger.warning("request entry refused; spooling", extra={"error": str(result)})
                     unwritten.append(command.entry)
             elif future is None:
@@ -190,13 +223,40 @@ class RedisBatcher:
         return unwritten
 
     async def _execute(self, batch: list["Command"]) -> list[Any]:
+        """Send one pipeline; the results in batch order, HELD_BACK for an entry kept out
+        of a full stream."""
+        is_full = requests_stream_is_full(self._stream_length)
+        has_entries = False
         pipe = self._client.pipeline(transaction=False)
         for command in batch:
-            if command.entry is not None:
-                pipe.xadd(REQUESTS_STREAM, command.entry, maxlen=REQUESTS_MAXLEN, approximate=True)  # type: ignore[arg-type]
-            else:
+            if command.entry is None:
                 pipe.execute_command(*command.arguments)
-        return list(await pipe.execute(raise_on_error=False))
+                continue
+            has_entries = True
+            if not is_full:
+                pipe.xadd(REQUESTS_STREAM, command.entry)  # type: ignore[arg-type]
+        if has_entries:
+            pipe.xlen(REQUESTS_STREAM)
+        results = list(await pipe.execute(raise_on_error=False))
+        if has_entries:
+            self._note_stream_length(results.pop())
+        sent = iter(results)
+        return [
+            HELD_BACK if is_full and command.entry is not None else next(sent) for command in batch
+        ]
+
+    def _note_stream_length(self, length: Any) -> None:
+        if not isinstance(length, int):
+            return  # XLEN refused: judge by the last length seen
+        was_full = requests_stream_is_full(self._stream_length)
+        self._stream_length = length
+        if requests_stream_is_full(length) and not was_full:
+            logger.warning(
+                "requests stream full (is ingest running?); spooling new entries",
+                extra={"length": length},
+            )
+        elif was_full and not requests_stream_is_full(length):
+            logger.info("requests stream below its maximum again", extra={"length": length})
 
     def _spool_all(self, entries: list[dict[str, str]]) -> None:
         for fields in entries:

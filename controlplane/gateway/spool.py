@@ -1,12 +1,13 @@
 """A bounded local file spool for requests-stream entries Redis did not take.
 
-When XADD fails, the entry is appended (one JSON line, fsynced) to
-`<dir>/active-<pid>.jsonl`. A replayer (every few seconds, and at start) moves each
-active file aside under an exclusive `flock` (renaming it to `batch-...`), then XADDs
-every line of every batch file it can lock and deletes the file. A crash mid-replay
-leaves the batch file for the next replay: an entry may then be written twice, which
-ingest absorbs (it is idempotent on request_id). Files of dead processes are replayed
-by any gateway sharing the directory.
+When XADD fails, or the requests stream is full (recorder.py), the entry is appended (one
+JSON line, fsynced) to `<dir>/active-<pid>.jsonl`. A replayer (every few seconds, and at
+start) moves each active file aside under an exclusive `flock` (renaming it to
+`batch-...`), then XADDs every line of every batch file it can lock and deletes the file;
+a writer that raises (Redis away, the stream still full) leaves the file for next time.
+A crash mid-replay leaves the batch file for the next replay: an entry may then be
+written twice, which ingest absorbs (it is idempotent on request_id). Files of dead
+processes are replayed by any gateway sharing the directory.
 
 Bounded: when the directory holds `max_bytes`, new entries are dropped and counted
 (`gateway_spool_dropped_total`) rather than filling the disk.

@@ -37,6 +37,10 @@ class RequestsStreamHandler:
     of new usage.
     """
 
+    # Its entries are usage: gateways add them without MAXLEN, and ingest trims the
+    # stream only below what it acknowledged (streams.StreamIngestor.trim_acknowledged).
+    is_trimmed_by_ingest = True
+
     def parse(self, entry_id: str, fields: Mapping[str, str]) -> RequestRecord:
         try:
             return parse_request_record(fields)
