@@ -77,3 +77,9 @@ def async_pubsub_client(url: str | None = None) -> aioredis.Redis:
         socket_connect_timeout=settings.REDIS_CONNECT_TIMEOUT_S,
         health_check_interval=15,
     )
+
+
+def reply_text(value: Any) -> str:
+    # Undecodable bytes become U+FFFD: an entry that cannot be decoded must still be
+    # parsed (and refused), or it would come back forever.
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

@@ -41,7 +41,7 @@ from controlplane.registry.models import DEPLOYABLE_STATUSES
 from controlplane.rollouts import selectors as rollout_selectors
 from controlplane.rollouts import stages, transitions
 from controlplane.rollouts.models import ACTIVE_STATES, Rollout
-from controlplane.telemetry.streams import StreamLoss, stream_loss_get
+from controlplane.telemetry.stream_trim import StreamLoss, stream_loss_get
 from controlplane.tenants import selectors as tenant_selectors
 from controlplane.tenants import services as tenant_services
 

@@ -24,12 +24,8 @@ from controlplane.gateway.recorder import RedisBatcher, RequestsStreamFull, spoo
 from controlplane.gateway.spool import Spool
 from controlplane.telemetry.models import RequestSample
 from controlplane.telemetry.requests import RequestsStreamHandler
-from controlplane.telemetry.streams import (
-    LOST_TOTAL,
-    StreamIngestor,
-    lost_entries_key,
-    stream_loss_get,
-)
+from controlplane.telemetry.stream_trim import LOST_TOTAL, lost_entries_key, stream_loss_get
+from controlplane.telemetry.streams import StreamIngestor
 from controlplane.tenants.models import Tenant, UsageRecord
 from tests.gateway.conftest import Setup, make_setup
 
