@@ -136,8 +136,9 @@ class LiveUpdatesConsumer(AsyncJsonWebsocketConsumer):
         await self._join(groups)
 
     async def _join(self, groups: list[str]) -> None:
-        # Adding a group again only renews the membership, which the Redis layer expires.
-        for group in groups:
+        # Adding a group again only renews the membership, which the Redis layer forgets
+        # after a day: the user's group too.
+        for group in [user_live_group(self.user_id), *groups]:
             await self.channel_layer.group_add(group, self.channel_name)
         self.subscribed_groups = groups
 
