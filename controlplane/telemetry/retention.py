@@ -8,22 +8,22 @@ reads them. The API accepts 1 to 3650 days (`tenants.serializers`); the column c
 null, and a 0 set outside the API counts as one day, so that a typo in the admin cannot
 delete the request samples a running canary analysis is reading.
 
-Request samples a running rollout still reads are kept past their tenant's retention:
-those of its baseline and candidate versions since one analysis window before its stage
-started (a full-weight stage compares the canary with the baseline's window before it).
-Prompt records are never kept longer than the tenant's policy.
+Request samples a higher floor still reads are kept past their tenant's retention: the
+rollouts app says at start-up which ones its running analyses read
+(`request_samples_in_use_add`; telemetry is a floor below rollouts and does not import
+it). Prompt records are never kept longer than the tenant's policy.
 """
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Protocol
 
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
-from controlplane.rollouts.models import Rollout, RolloutState
-from controlplane.rollouts.stages import rollout_policy
 from controlplane.telemetry.models import PromptRecord, RequestSample
 from controlplane.tenants.models import Tenant
 
@@ -48,16 +48,34 @@ def retention_days_of(tenant: Tenant) -> int:
     return max(tenant.retention_days, MINIMUM_RETENTION_DAYS)
 
 
-def _read_by_running_rollouts() -> Q | None:
-    """Request samples a running rollout's analysis still reads, or None if none does."""
+@dataclass(frozen=True, slots=True)
+class SamplesInUse:
+    """Request samples of these versions that finished at or after `since`."""
+
+    version_ids: tuple[int, ...]
+    since: datetime
+
+
+class SamplesInUseReader(Protocol):
+    def __call__(self) -> Iterable[SamplesInUse]: ...
+
+
+SAMPLES_IN_USE_READERS: list[SamplesInUseReader] = []
+
+
+def request_samples_in_use_add(reader: SamplesInUseReader) -> None:
+    """Keep, on every run, the request samples `reader()` names, whatever their age."""
+    if reader not in SAMPLES_IN_USE_READERS:
+        SAMPLES_IN_USE_READERS.append(reader)
+
+
+def _samples_in_use() -> Q | None:
+    """The request samples some reader still needs, or None if none does."""
     kept: Q | None = None
-    running = Rollout.objects.filter(state=RolloutState.RUNNING, stage_started_at__isnull=False)
-    for rollout in running.only("baseline_id", "candidate_id", "stage_started_at", "policy"):
-        if rollout.stage_started_at is None:  # filtered out above; this tells the type checker
-            continue
-        since = rollout.stage_started_at - timedelta(seconds=rollout_policy(rollout).window_s)
-        rows = Q(version_id__in=[rollout.baseline_id, rollout.candidate_id], finished_at__gte=since)
-        kept = rows if kept is None else kept | rows
+    for reader in SAMPLES_IN_USE_READERS:
+        for in_use in reader():
+            rows = Q(version_id__in=in_use.version_ids, finished_at__gte=in_use.since)
+            kept = rows if kept is None else kept | rows
     return kept
 
 
@@ -85,13 +103,13 @@ def retention_apply(
         raise ValueError("batch_size must be at least 1")
     now = now or timezone.now()
     deadline = time.monotonic() + time_budget_s
-    kept_for_analysis = _read_by_running_rollouts()
+    in_use = _samples_in_use()
     pending: list[tuple[Tenant, QuerySet]] = []
     for tenant in Tenant.objects.order_by("pk").only("slug", "retention_days"):
         cutoff = now - timedelta(days=retention_days_of(tenant))
         samples = RequestSample.objects.filter(tenant=tenant, finished_at__lt=cutoff)
-        if kept_for_analysis is not None:
-            samples = samples.exclude(kept_for_analysis)
+        if in_use is not None:
+            samples = samples.exclude(in_use)
         pending.append((tenant, PromptRecord.objects.filter(tenant=tenant, finished_at__lt=cutoff)))
         pending.append((tenant, samples))
     deleted: dict[tuple[str, type[PromptRecord] | type[RequestSample]], int] = {}
