@@ -236,3 +236,18 @@ def test_session_deleted_without_a_message_closes_the_socket_at_the_next_check(
         return closed
 
     assert asyncio.run(scenario()) == CLOSED_SIGNED_OUT
+
+
+def test_deleting_the_user_closes_their_socket(redis_client) -> None:
+    viewer = user_create(actor=None, username="watcher", password=PASSWORD, role=Role.VIEWER)
+    _, cookie = _signed_in(viewer)
+
+    async def scenario() -> dict[str, Any]:
+        socket = await _connected(cookie)
+        await database_sync_to_async(viewer.delete)()
+        closed = await socket.receive_output(timeout=DEADLINE_S)
+        await socket.disconnect()
+        return closed
+
+    assert asyncio.run(scenario()) == CLOSED_SIGNED_OUT
+    assert not get_user_model().objects.filter(username="watcher").exists()
