@@ -280,6 +280,11 @@ CELERY_BEAT_SCHEDULE["telemetry-attribute-energy"] = {
     "task": "telemetry.attribute_energy",
     "schedule": 30.0,
 }
+# Tenants' prompt records and request samples past their retention_days, in batches.
+CELERY_BEAT_SCHEDULE["telemetry-apply-retention"] = {
+    "task": "telemetry.apply_retention",
+    "schedule": 3600.0,
+}
 
 # Fleet and telemetry
 # Agents heartbeat every FLEET_HEARTBEAT_INTERVAL_S; ingest marks one `lost` after

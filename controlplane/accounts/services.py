@@ -10,6 +10,7 @@ from controlplane.accounts.models import AccessToken, Membership
 from controlplane.audit.services import Actor, audit_event_record
 from controlplane.core.credentials import secret_issue
 from controlplane.core.errors import Conflict, DomainError
+from controlplane.core.events import publish_access_changed_after_commit
 from controlplane.core.roles import Role
 from controlplane.tenants.models import Tenant
 
@@ -146,6 +147,8 @@ def membership_set(
             reason=reason,
             tenant_id=tenant.pk if tenant else None,
         )
+        # The user's open dashboard sockets leave the groups the old role could see.
+        publish_access_changed_after_commit(user.pk)
     if hasattr(user, "_state"):
         user.membership = membership
     return membership

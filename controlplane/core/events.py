@@ -6,6 +6,10 @@ from inside a transaction. Every websocket consumer subscribed to a group forwar
 event to its browser. Best effort: the dashboard re-renders from the database on each
 event (and polls), so a lost event delays a view and loses nothing; a failure is logged,
 never raised.
+
+`publish_access_changed` is the other kind of message: not an event for the browser but
+a word to one user's open sockets that the user's role, tenant or session changed, so
+that each re-reads the user and follows (see `dashboard.consumers`).
 """
 
 import logging
@@ -29,28 +33,45 @@ def tenant_live_group(tenant_id: int) -> str:
     return f"live.tenant.{tenant_id}"
 
 
-def publish_events(groups: Iterable[str], events: Sequence[tuple[str, dict[str, Any]]]) -> None:
-    """Send each (event, payload) to each group."""
-    groups = list(groups)
-    if not events or not groups:
-        return
+def user_live_group(user_id: int) -> str:
+    """The group every socket of one user joins; it carries no events, only the word that
+    the user's access changed (`publish_access_changed`)."""
+    return f"live.user.{user_id}"
+
+
+def _group_send_all(messages: Sequence[tuple[str, dict[str, Any]]]) -> None:
+    """Send each (group, message) in one event loop entry; a failure is logged."""
     layer = get_channel_layer()
-    if layer is None:
+    if layer is None or not messages:
         return
 
     async def send_all() -> None:
-        for event, payload in events:
-            message = {"type": "live.event", "event": event, "payload": payload}
-            for group in groups:
-                await layer.group_send(group, message)
+        for group, message in messages:
+            await layer.group_send(group, message)
 
     try:
         async_to_sync(send_all)()
     except Exception as exc:
         logger.warning(
-            "live events not published",
-            extra={"groups": groups, "count": len(events), "error": str(exc)},
+            "live messages not published",
+            extra={
+                "groups": sorted({group for group, _ in messages}),
+                "count": len(messages),
+                "error": str(exc),
+            },
         )
+
+
+def publish_events(groups: Iterable[str], events: Sequence[tuple[str, dict[str, Any]]]) -> None:
+    """Send each (event, payload) to each group."""
+    groups = list(groups)
+    _group_send_all(
+        [
+            (group, {"type": "live.event", "event": event, "payload": payload})
+            for event, payload in events
+            for group in groups
+        ]
+    )
 
 
 def publish_event(group: str, event: str, payload: dict[str, Any]) -> None:
@@ -60,3 +81,17 @@ def publish_event(group: str, event: str, payload: dict[str, Any]) -> None:
 def publish_event_after_commit(group: str, event: str, payload: dict[str, Any]) -> None:
     """Publish once the current transaction commits (nothing if it rolls back)."""
     transaction.on_commit(lambda: publish_event(group, event, payload))
+
+
+def publish_access_changed(user_id: int, *, ended_session_key: str | None = None) -> None:
+    """Tell every open socket of the user to read the user's access again (and leave the
+    groups it may no longer see); `ended_session_key` names a session that just signed out,
+    whose sockets close."""
+    message = {"type": "live.access_changed", "ended_session_key": ended_session_key}
+    _group_send_all([(user_live_group(user_id), message)])
+
+
+def publish_access_changed_after_commit(user_id: int) -> None:
+    """`publish_access_changed` once the current transaction commits, so that the sockets
+    read what it wrote (nothing if it rolls back)."""
+    transaction.on_commit(lambda: publish_access_changed(user_id))

@@ -5,3 +5,8 @@ class DashboardConfig(AppConfig):
     name = "controlplane.dashboard"
     label = "dashboard"
     verbose_name = "Dashboard"
+
+    def ready(self) -> None:
+        from controlplane.dashboard import signals
+
+        signals.connect()

@@ -41,9 +41,11 @@ from controlplane.registry.models import DEPLOYABLE_STATUSES
 from controlplane.rollouts import selectors as rollout_selectors
 from controlplane.rollouts import stages, transitions
 from controlplane.rollouts.models import ACTIVE_STATES, Rollout
+from controlplane.telemetry.retention import retention_days_of
 from controlplane.telemetry.stream_trim import StreamLoss, stream_loss_get
 from controlplane.tenants import selectors as tenant_selectors
 from controlplane.tenants import services as tenant_services
+from controlplane.tenants.models import PromptLogging
 
 SPARKLINE_WINDOW = timedelta(minutes=10)
 ENERGY_WINDOW = timedelta(minutes=5)
@@ -430,6 +432,8 @@ def _tenant_context(request: HttpRequest, tenant: Any) -> dict[str, Any]:
         "may_manage_keys": may_manage_keys,
         "key_form": forms.ApiKeyCreateForm() if may_manage_keys else None,
         "live_group_tenant": tenant.pk,
+        "retention_days": retention_days_of(tenant),
+        "is_prompt_logging_on": tenant.prompt_logging == PromptLogging.FULL,
     }
 
 
