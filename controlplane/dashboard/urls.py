@@ -3,7 +3,7 @@
 from django.contrib.staticfiles.urls import staticfiles_urlpatterns
 from django.urls import path
 
-from controlplane.dashboard import views
+from controlplane.dashboard import tenant_views, views
 
 app_name = "dashboard"
 
@@ -26,12 +26,12 @@ urlpatterns = [
     path("registry/compare/", views.version_compare, name="version-compare"),
     path("fleet/", views.fleet, name="fleet"),
     path("fleet/<str:agent_name>/command/", views.agent_command, name="agent-command"),
-    path("tenants/", views.tenant_list, name="tenant-list"),
-    path("tenants/<int:tenant_id>/", views.tenant_detail, name="tenant-detail"),
-    path("tenants/<int:tenant_id>/keys/", views.api_key_create, name="api-key-create"),
+    path("tenants/", tenant_views.tenant_list, name="tenant-list"),
+    path("tenants/<int:tenant_id>/", tenant_views.tenant_detail, name="tenant-detail"),
+    path("tenants/<int:tenant_id>/keys/", tenant_views.api_key_create, name="api-key-create"),
     path(
         "tenants/<int:tenant_id>/keys/<int:key_id>/revoke/",
-        views.api_key_revoke,
+        tenant_views.api_key_revoke,
         name="api-key-revoke",
     ),
     path("audit/", views.audit_log, name="audit"),

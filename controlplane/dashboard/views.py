@@ -19,7 +19,6 @@ from typing import Any
 import redis
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -30,9 +29,10 @@ from django.views.decorators.http import require_GET, require_POST
 from contracts.routing import REQUESTS_STREAM
 from controlplane.audit.selectors import audit_event_list
 from controlplane.core import access
-from controlplane.core.errors import DomainError, Forbidden, NotFound
+from controlplane.core.errors import DomainError
 from controlplane.core.redis_clients import redis_client
 from controlplane.dashboard import forms, presenters
+from controlplane.dashboard.pages import domain_error_show, render_page, require
 from controlplane.fleet import selectors as fleet_selectors
 from controlplane.fleet import services as fleet_services
 from controlplane.fleet.models import AgentState
@@ -41,46 +41,13 @@ from controlplane.registry.models import DEPLOYABLE_STATUSES
 from controlplane.rollouts import selectors as rollout_selectors
 from controlplane.rollouts import stages, transitions
 from controlplane.rollouts.models import ACTIVE_STATES, Rollout
-from controlplane.telemetry.retention import retention_days_of
 from controlplane.telemetry.stream_trim import StreamLoss, stream_loss_get
-from controlplane.tenants import selectors as tenant_selectors
-from controlplane.tenants import services as tenant_services
-from controlplane.tenants.models import PromptLogging
 
 SPARKLINE_WINDOW = timedelta(minutes=10)
 ENERGY_WINDOW = timedelta(minutes=5)
 AUDIT_PAGE_SIZE = 50
 ANALYSIS_RUNS_SHOWN = 200
 USAGE_LOST_ALERT_WINDOW = timedelta(days=7)
-
-
-def _require(allowed: bool) -> None:
-    if not allowed:
-        raise PermissionDenied
-
-
-def _render(
-    request: HttpRequest,
-    template: str,
-    context: dict[str, Any],
-    fragments: dict[str, str] | None = None,
-    status: int = 200,
-) -> HttpResponse:
-    """The page, or one of its fragments when the live client asks for it."""
-    fragment = request.GET.get("fragment")
-    if fragment:
-        if not fragments or fragment not in fragments:
-            raise Http404("No such fragment.")
-        template = fragments[fragment]
-    return render(request, template, context, status=status)
-
-
-def _domain_error(request: HttpRequest, error: DomainError) -> None:
-    if isinstance(error, Forbidden):
-        raise PermissionDenied(error.message)
-    if isinstance(error, NotFound):
-        raise Http404(error.message)
-    messages.error(request, error.message)
 
 
 # Overview.
@@ -143,14 +110,14 @@ def overview(request: HttpRequest) -> HttpResponse:
     own_tenant = access.tenant_for_user(request.user)
     if own_tenant is not None:
         return redirect("dashboard:tenant-detail", tenant_id=own_tenant.pk)
-    _require(access.is_staff_reader(request.user))
+    require(access.is_staff_reader(request.user))
     context = {
         "fleet": _fleet_summary(),
         "active_rollouts": _active_rollouts(),
         "recent_events": audit_event_list(user=request.user)[:12],
         "usage_lost": _usage_lost(),
     }
-    return _render(
+    return render_page(
         request,
         "dashboard/overview.html",
         context,
@@ -168,11 +135,11 @@ def overview(request: HttpRequest) -> HttpResponse:
 @login_required
 @require_GET
 def rollout_list(request: HttpRequest) -> HttpResponse:
-    _require(access.is_staff_reader(request.user))
+    require(access.is_staff_reader(request.user))
     rollouts = rollout_selectors.rollout_list()[:100]
     rows = [{"rollout": rollout, "stage": presenters.stage_label(rollout)} for rollout in rollouts]
     context = {"rows": rows, "deployments": rollout_selectors.deployment_list()}
-    return _render(
+    return render_page(
         request,
         "dashboard/rollout_list.html",
         context,
@@ -187,7 +154,7 @@ def _rollout_or_404(rollout_id: int) -> Any:
 @login_required
 @require_GET
 def rollout_detail(request: HttpRequest, rollout_id: int) -> HttpResponse:
-    _require(access.is_staff_reader(request.user))
+    require(access.is_staff_reader(request.user))
     rollout = _rollout_or_404(rollout_id)
     runs = list(rollout_selectors.analysis_run_list(rollout=rollout)[:ANALYSIS_RUNS_SHOWN])
     context = {
@@ -201,7 +168,7 @@ def rollout_detail(request: HttpRequest, rollout_id: int) -> HttpResponse:
         )[:20],
         "is_active": rollout.state in ACTIVE_STATES,
     }
-    return _render(
+    return render_page(
         request,
         "dashboard/rollout_detail.html",
         context,
@@ -217,7 +184,7 @@ def rollout_detail(request: HttpRequest, rollout_id: int) -> HttpResponse:
 @require_GET
 def rollout_series(request: HttpRequest, rollout_id: int) -> JsonResponse:
     """Canary against baseline per analysis run, oldest first, for the live charts."""
-    _require(access.is_staff_reader(request.user))
+    require(access.is_staff_reader(request.user))
     rollout = _rollout_or_404(rollout_id)
     runs = list(rollout_selectors.analysis_run_list(rollout=rollout)[:ANALYSIS_RUNS_SHOWN])
     return JsonResponse(presenters.analysis_series(reversed(runs), rollout))
@@ -238,7 +205,7 @@ ROLLOUT_ACTIONS: dict[str, Callable[..., Rollout]] = {
 def rollout_transition(request: HttpRequest, rollout_id: int, action: str) -> HttpResponse:
     if action not in ROLLOUT_ACTIONS:
         raise Http404("No such action.")
-    _require(presenters.may_transition(request.user, action))
+    require(presenters.may_transition(request.user, action))
     rollout = _rollout_or_404(rollout_id)
     form = forms.ReasonForm(request.POST)
     if not form.is_valid():
@@ -255,7 +222,7 @@ def rollout_transition(request: HttpRequest, rollout_id: int, action: str) -> Ht
             actor=request.user, rollout_id=rollout.pk, reason=data["reason"], **extra
         )
     except DomainError as error:
-        _domain_error(request, error)
+        domain_error_show(request, error)
     else:
         messages.success(request, f"Rollout {result.pk} is {result.get_state_display()}.")
     return redirect("dashboard:rollout-detail", rollout_id=rollout.pk)
@@ -267,7 +234,7 @@ def rollout_transition(request: HttpRequest, rollout_id: int, action: str) -> Ht
 @login_required
 @require_GET
 def registry(request: HttpRequest) -> HttpResponse:
-    _require(access.can_view_registry(request.user))
+    require(access.can_view_registry(request.user))
     versions = list(registry_selectors.version_list().order_by("model__name", "-created_at", "-id"))
     evaluations = presenters.evaluations_by_version(
         registry_selectors.evaluation_list().filter(version__in=versions)
@@ -286,7 +253,7 @@ def registry(request: HttpRequest) -> HttpResponse:
 @login_required
 @require_GET
 def version_detail(request: HttpRequest, version_id: int) -> HttpResponse:
-    _require(access.can_view_registry(request.user))
+    require(access.can_view_registry(request.user))
     version = get_object_or_404(registry_selectors.version_list(), pk=version_id)
     context = {
         "version": version,
@@ -301,7 +268,7 @@ def version_detail(request: HttpRequest, version_id: int) -> HttpResponse:
 @login_required
 @require_GET
 def version_compare(request: HttpRequest) -> HttpResponse:
-    _require(access.can_view_registry(request.user))
+    require(access.can_view_registry(request.user))
     versions = registry_selectors.version_list()
     ids = [request.GET.get("a", ""), request.GET.get("b", "")]
     if not all(value.isdigit() for value in ids):
@@ -329,7 +296,7 @@ def version_compare(request: HttpRequest) -> HttpResponse:
 @login_required
 @require_GET
 def fleet(request: HttpRequest) -> HttpResponse:
-    _require(access.can_view_fleet(request.user))
+    require(access.can_view_fleet(request.user))
     now = timezone.now()
     rows = []
     for agent in fleet_selectors.agent_list():
@@ -344,7 +311,7 @@ def fleet(request: HttpRequest) -> HttpResponse:
             status__in=DEPLOYABLE_STATUSES
         ),
     }
-    return _render(
+    return render_page(
         request,
         "dashboard/fleet.html",
         context,
@@ -355,7 +322,7 @@ def fleet(request: HttpRequest) -> HttpResponse:
 @login_required
 @require_POST
 def agent_command(request: HttpRequest, agent_name: str) -> HttpResponse:
-    _require(access.can_command_agents(request.user))
+    require(access.can_command_agents(request.user))
     form = forms.AgentCommandForm(request.POST)
     if not form.is_valid():
         messages.error(request, presenters.form_errors(form))
@@ -372,126 +339,10 @@ def agent_command(request: HttpRequest, agent_name: str) -> HttpResponse:
             reason=data["reason"],
         )
     except DomainError as error:
-        _domain_error(request, error)
+        domain_error_show(request, error)
     else:
         messages.success(request, f"Sent {command.kind} to {agent_name}.")
     return redirect("dashboard:fleet")
-
-
-# Tenants.
-
-
-@login_required
-@require_GET
-def tenant_list(request: HttpRequest) -> HttpResponse:
-    own_tenant = access.tenant_for_user(request.user)
-    if own_tenant is not None:
-        return redirect("dashboard:tenant-detail", tenant_id=own_tenant.pk)
-    _require(access.can_list_tenants(request.user))
-    tenants = tenant_selectors.tenant_list(user=request.user)
-    since = timezone.now() - timedelta(days=1)
-    rows = [
-        {
-            "tenant": tenant,
-            "totals": presenters.usage_totals(
-                tenant_selectors.usage_aggregate(tenant=tenant, granularity="day", since=since)
-            ),
-        }
-        for tenant in tenants
-    ]
-    return render(request, "dashboard/tenant_list.html", {"rows": rows})
-
-
-def _visible_tenant(request: HttpRequest, tenant_id: int) -> Any:
-    try:
-        return tenant_selectors.tenant_get_visible(user=request.user, tenant_id=tenant_id)
-    except NotFound as error:
-        raise Http404(error.message) from error
-
-
-def _tenant_context(request: HttpRequest, tenant: Any) -> dict[str, Any]:
-    filters = forms.UsageFilterForm(request.GET)
-    granularity = "hour"
-    if filters.is_valid() and filters.cleaned_data["granularity"]:
-        granularity = filters.cleaned_data["granularity"]
-    span = timedelta(days=2) if granularity == "hour" else timedelta(days=30)
-    usage = list(
-        tenant_selectors.usage_aggregate(
-            tenant=tenant, granularity=granularity, since=timezone.now() - span
-        )
-    )
-    may_manage_keys = access.can_manage_api_keys(request.user, tenant)
-    return {
-        "tenant": tenant,
-        "filters": filters,
-        "granularity": granularity,
-        "usage": usage,
-        "usage_series": presenters.usage_series(usage),
-        "totals": presenters.usage_totals(usage),
-        "keys": tenant_selectors.api_key_list(tenant=tenant),
-        "may_manage_keys": may_manage_keys,
-        "key_form": forms.ApiKeyCreateForm() if may_manage_keys else None,
-        "live_group_tenant": tenant.pk,
-        "retention_days": retention_days_of(tenant),
-        "is_prompt_logging_on": tenant.prompt_logging == PromptLogging.FULL,
-    }
-
-
-@login_required
-@require_GET
-def tenant_detail(request: HttpRequest, tenant_id: int) -> HttpResponse:
-    tenant = _visible_tenant(request, tenant_id)
-    return _render(
-        request,
-        "dashboard/tenant_detail.html",
-        _tenant_context(request, tenant),
-        fragments={"usage": "dashboard/partials/tenant_usage.html"},
-    )
-
-
-@login_required
-@require_POST
-def api_key_create(request: HttpRequest, tenant_id: int) -> HttpResponse:
-    tenant = _visible_tenant(request, tenant_id)
-    _require(access.can_manage_api_keys(request.user, tenant))
-    form = forms.ApiKeyCreateForm(request.POST)
-    if not form.is_valid():
-        messages.error(request, presenters.form_errors(form))
-        return redirect("dashboard:tenant-detail", tenant_id=tenant.pk)
-    try:
-        created = tenant_services.api_key_create(
-            actor=request.user,
-            tenant=tenant,
-            name=form.cleaned_data["name"],
-            scopes=form.cleaned_data["scopes"],
-            expires_at=form.cleaned_data["expires_at"],
-        )
-    except DomainError as error:
-        _domain_error(request, error)
-        return redirect("dashboard:tenant-detail", tenant_id=tenant.pk)
-    # The raw key is in this response only: never stored, never in a cookie or the session.
-    context = _tenant_context(request, tenant)
-    context["created_key"] = created
-    response = render(request, "dashboard/tenant_detail.html", context, status=201)
-    response["Cache-Control"] = "no-store"
-    return response
-
-
-@login_required
-@require_POST
-def api_key_revoke(request: HttpRequest, tenant_id: int, key_id: int) -> HttpResponse:
-    tenant = _visible_tenant(request, tenant_id)
-    _require(access.can_manage_api_keys(request.user, tenant))
-    key = get_object_or_404(tenant_selectors.api_key_list(tenant=tenant), pk=key_id)
-    form = forms.ApiKeyRevokeForm(request.POST)
-    reason = form.cleaned_data["reason"] if form.is_valid() else ""
-    try:
-        tenant_services.api_key_revoke(actor=request.user, key=key, reason=reason)
-    except DomainError as error:
-        _domain_error(request, error)
-    else:
-        messages.success(request, f"Key {key.prefix}… is revoked.")
-    return redirect("dashboard:tenant-detail", tenant_id=tenant.pk)
 
 
 # Audit.
@@ -500,7 +351,7 @@ def api_key_revoke(request: HttpRequest, tenant_id: int, key_id: int) -> HttpRes
 @login_required
 @require_GET
 def audit_log(request: HttpRequest) -> HttpResponse:
-    _require(access.can_view_audit(request.user))
+    require(access.can_view_audit(request.user))
     form = forms.AuditFilterForm(request.GET)
     events = audit_event_list(user=request.user)
     if form.is_valid():
@@ -515,7 +366,7 @@ def audit_log(request: HttpRequest) -> HttpResponse:
         "query": query.urlencode(),
         "audit_url": reverse("dashboard:audit"),
     }
-    return _render(
+    return render_page(
         request,
         "dashboard/audit.html",
         context,
