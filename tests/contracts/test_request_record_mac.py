@@ -4,6 +4,9 @@ changed after signing, whatever their order or content."""
 
 import hashlib
 import hmac
+import os
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given
@@ -19,6 +22,7 @@ from contracts.routing import (
     request_fields_verify,
     request_mac,
 )
+from tests.conftest import REPO_ROOT
 
 KEY = b"k" * 32
 OTHER_KEY = b"o" * 32
@@ -135,3 +139,33 @@ def test_different_fields_never_share_a_message(first, second) -> None:
 
 def test_the_refusal_is_a_contract_error() -> None:
     assert issubclass(RequestMacError, RoutingContractError)
+
+
+def settings_key(**env: str) -> subprocess.CompletedProcess[str]:
+    """Load the settings in a fresh interpreter with this environment; print the key."""
+    environment = {k: v for k, v in os.environ.items() if k != "TELEMETRY_RECORD_KEY"}
+    environment.update({"DEBUG": "1", "SECRET_KEY": "a secret key", **env})
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from controlplane import settings; print(settings.TELEMETRY_RECORD_KEY.hex())",
+        ],
+        cwd=REPO_ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_the_record_key_setting() -> None:
+    derived = hmac.new(b"a secret key", b"controlplane.telemetry.record-key", hashlib.sha256)
+    unset = settings_key()
+    assert (unset.returncode, unset.stdout.strip()) == (0, derived.hexdigest())
+    own = settings_key(TELEMETRY_RECORD_KEY="x" * 32)
+    assert (own.returncode, own.stdout.strip()) == (0, (b"x" * 32).hex())
+    for refused in ("", "x" * 31):
+        short = settings_key(TELEMETRY_RECORD_KEY=refused)
+        assert short.returncode == 1
+        assert "TELEMETRY_RECORD_KEY must be at least 32 bytes" in short.stderr
