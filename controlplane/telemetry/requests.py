@@ -51,6 +51,11 @@ def version_check_add(check: VersionCheck) -> None:
 class RequestsStreamHandler:
     """Parses `RequestRecord` entries; applies a batch in one idempotent transaction.
 
+    An entry without a valid gateway signature (`mac`) is refused before it is parsed:
+    counted in `ingest_requests_refused_total{reason}`, logged without its fields, dropped
+    like a malformed entry, and audited at most once per `audit_every_s` per process (one
+    event counting every refusal since the last).
+
     After the batch commits: each of VERSION_CHECKS looks at each version that had
     traffic (the rollout fast path: a canary whose recent requests breach the hard limit
     rolls back now, not at the next analysis interval), and each tenant's dashboard hears
