@@ -5,6 +5,7 @@ SECRET_KEY, DEBUG, ALLOWED_HOSTS, ARTIFACT_ROOT. Outside DEBUG the defaults are
 the secure ones and a missing SECRET_KEY is an error.
 """
 
+import hmac
 import os
 from pathlib import Path
 
@@ -273,6 +274,18 @@ GATEWAY_REQUESTS_STREAM_MAX_LENGTH = int(
 )
 if GATEWAY_REQUESTS_STREAM_MAX_LENGTH < 1:
     raise ImproperlyConfigured("GATEWAY_REQUESTS_STREAM_MAX_LENGTH must be at least 1")
+# The key gateways sign requests-stream entries with and ingest verifies (the entry's `mac`):
+# at least 32 bytes (e.g. `openssl rand -hex 32`), the same for every gateway and ingest
+# process. Production sets its own; unset, it is derived from SECRET_KEY (fine for dev,
+# tests and the demo, where every process shares SECRET_KEY).
+if "TELEMETRY_RECORD_KEY" in os.environ:
+    TELEMETRY_RECORD_KEY = os.environ["TELEMETRY_RECORD_KEY"].encode()
+    if len(TELEMETRY_RECORD_KEY) < 32:
+        raise ImproperlyConfigured("TELEMETRY_RECORD_KEY must be at least 32 bytes")
+else:
+    TELEMETRY_RECORD_KEY = hmac.digest(
+        SECRET_KEY.encode(), b"controlplane.telemetry.record-key", "sha256"
+    )
 # Tokens reserved against tokens_per_minute for a request without max_tokens.
 GATEWAY_DEFAULT_COMPLETION_TOKENS = int(os.environ.get("GATEWAY_DEFAULT_COMPLETION_TOKENS", "256"))
 # Settled fleet energy rollups are attributed to tenants by tokens this often.

@@ -25,6 +25,11 @@ the real tokens of the requests before it. (Sending admissions ahead of the batc
 batches over several pooled connections at once, let an admission overtake the
 settlement before it and admit a tenant past its limit.)
 
+Every stream entry is signed as it is queued (`contracts.routing.request_fields_sign`, its
+`mac` field, keyed by TELEMETRY_RECORD_KEY): ingest refuses entries without a valid one.
+The spool keeps entries as signed; its replay signs only lines that have no `mac` (written
+by a gateway from before signing), since the spool directory is the gateway's own.
+
 The requests stream has no MAXLEN: only ingest trims it, below what it has acknowledged,
 so entries wait in Redis for as long as ingest is away. To keep Redis bounded all the
 same, every batch that carries entries ends with an XLEN, and while the last length seen
@@ -57,7 +62,7 @@ from django.conf import settings
 from django.db import close_old_connections
 from redis.exceptions import NoScriptError
 
-from contracts.routing import REQUESTS_STREAM
+from contracts.routing import REQUEST_MAC_FIELD, REQUESTS_STREAM, request_fields_sign
 from controlplane.gateway.ratelimit import (
     ADMIT_SCRIPT,
     SETTLE_SCRIPT,
@@ -92,8 +97,11 @@ def spooled_entries_write(client: redis.Redis, entries: list[dict[str, str]]) ->
     length: Any = client.xlen(REQUESTS_STREAM)
     if requests_stream_is_full(length):
         raise RequestsStreamFull(f"{REQUESTS_STREAM} holds {length} entries")
+    key = settings.TELEMETRY_RECORD_KEY
     pipe = client.pipeline(transaction=False)
     for fields in entries:
+        if REQUEST_MAC_FIELD not in fields:
+            fields = request_fields_sign(fields, key)
         pipe.xadd(REQUESTS_STREAM, fields)  # type: ignore[arg-type]
     pipe.execute()
 
@@ -119,6 +127,7 @@ class RedisBatcher:
         self._spooling: set[asyncio.Task[None]] = set()
         self._is_closing = False
         self._stream_length = 0  # XLEN of the requests stream after the last batch of entries
+        self._record_key: bytes = settings.TELEMETRY_RECORD_KEY
 
     def admit(
         self,
@@ -137,11 +146,11 @@ class RedisBatcher:
         return future
 
     def put(self, fields: dict[str, str] | None, settlement: Settlement = None) -> None:
-        """Queue one stream entry and/or one settlement; returns at once."""
+        """Queue one stream entry (signed here) and/or one settlement; returns at once."""
         if settlement is not None:
             self._queue.append(Command(arguments=settle_command(*settlement)))
         if fields is not None:
-            self._queue.append(Command(entry=fields))
+            self._queue.append(Command(entry=request_fields_sign(fields, self._record_key)))
         self._schedule(False)
 
     async def run(self) -> None:

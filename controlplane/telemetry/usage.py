@@ -2,7 +2,9 @@
 
 Every write is idempotent: a request's sample is inserted once (by request id) and only
 newly inserted requests are added to the per-minute UsageRecord rows, in one
-transaction, so an entry delivered twice is counted once.
+transaction, so an entry delivered twice is counted once. A prompt record is kept only
+for a tenant whose `prompt_logging` is `full` when the entry is applied; otherwise the
+entry's prompt and completion text are discarded.
 """
 
 import logging
@@ -17,7 +19,7 @@ from django.db import connection, transaction
 from contracts.routing import RequestRecord
 from controlplane.registry.models import ModelVersion
 from controlplane.telemetry.models import PromptRecord, RequestSample
-from controlplane.tenants.models import Tenant, UsageRecord
+from controlplane.tenants.models import PromptLogging, Tenant, UsageRecord
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +41,14 @@ def request_records_apply(*, records: Sequence[RequestRecord]) -> int:
         unique.setdefault(record.request_id, record)
     if not unique:
         return 0
-    tenant_ids = set(
+    # tenant id -> its prompt_logging, read now: an entry's prompt text is
+    # stored only if the tenant keeps prompts at ingest time, whatever the entry carries.
+    prompt_logging_of = dict(
         Tenant.objects.filter(pk__in={r.tenant_id for r in unique.values()}).values_list(
-            "pk", flat=True
+            "pk", "prompt_logging"
         )
     )
+    tenant_ids = set(prompt_logging_of)
     version_ids = set(
         ModelVersion.objects.filter(pk__in={r.version_id for r in unique.values()}).values_list(
             "pk", flat=True
@@ -72,7 +77,7 @@ def request_records_apply(*, records: Sequence[RequestRecord]) -> int:
             finished_at=datetime.fromtimestamp(r.finished_at, tz=UTC),
         )
         for r in new_records
-        if r.prompt is not None
+        if r.prompt is not None and prompt_logging_of[r.tenant_id] == PromptLogging.FULL
     ]
     if prompts:
         PromptRecord.objects.bulk_create(prompts, ignore_conflicts=True)

@@ -148,7 +148,7 @@ def test_a_record_at_every_bound_is_stored_by_ingest() -> None:
     from controlplane.tenants.models import UsageRecord
     from tests.gateway.conftest import make_setup
 
-    setup = make_setup()
+    setup = make_setup(prompt_logging="full")
     at_the_bounds = {**AT_THE_BOUNDS, "tenant_id": str(setup.tenant.pk)}
     at_the_bounds["version_id"] = str(setup.versions[0].pk)
     at_the_bounds["prompt"] = "p" * 100_000

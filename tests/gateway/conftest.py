@@ -24,7 +24,13 @@ from django.conf import settings
 from openai.types import Completion, CompletionUsage
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from contracts.routing import REQUESTS_STREAM, RequestRecord, parse_request_record
+from contracts.routing import (
+    REQUESTS_STREAM,
+    RequestRecord,
+    parse_request_record,
+    request_fields_sign,
+    request_fields_verify,
+)
 from controlplane.registry.models import Artifact, Model, ModelVersion
 from controlplane.rollouts.routing import routing_table_publish
 from controlplane.telemetry.requests import RequestsStreamHandler
@@ -282,9 +288,17 @@ def wait_for_model(gateway: GatewayProcess, raw_key: str, model: str, present: b
     wait_until(listed, timeout=15, interval=0.05, message=f"{model} not routed by {gateway.url}")
 
 
+def signed_entry(record: RequestRecord) -> dict[str, str]:
+    """A record's stream fields signed as a gateway signs them: what ingest accepts."""
+    return request_fields_sign(record.to_fields(), settings.TELEMETRY_RECORD_KEY)
+
+
 def stream_records(client: redis.Redis) -> list[RequestRecord]:
+    """The stream's records, each checked to carry the gateway's valid signature."""
     # The client decodes responses, so the fields are str; redis types them bytes | str.
     entries: Any = client.xrange(REQUESTS_STREAM)
+    for _, fields in entries:
+        request_fields_verify(fields, settings.TELEMETRY_RECORD_KEY)
     return [parse_request_record(fields) for _, fields in entries]
 
 

@@ -27,7 +27,7 @@ from controlplane.telemetry.requests import RequestsStreamHandler
 from controlplane.telemetry.stream_trim import LOST_TOTAL, lost_entries_key, stream_loss_get
 from controlplane.telemetry.streams import StreamIngestor
 from controlplane.tenants.models import Tenant, UsageRecord
-from tests.gateway.conftest import Setup, make_setup
+from tests.gateway.conftest import Setup, make_setup, signed_entry
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -171,7 +171,7 @@ def test_the_stream_is_trimmed_only_below_what_every_group_acknowledged(redis_cl
     setup = make_setup()
     records = [record(setup, index) for index in range(10)]
     first = ingestor(redis_client, batch_size=4)
-    ids = [redis_client.xadd(REQUESTS_STREAM, item.to_fields()) for item in records]
+    ids = [redis_client.xadd(REQUESTS_STREAM, signed_entry(item)) for item in records]
     first.run_once()  # its own pending entries: none
     first.run_once()  # entries 0-3: applied and acknowledged
     # Another consumer of the group takes 4-6 and dies before acknowledging them.
@@ -205,7 +205,7 @@ def test_the_ingest_loop_trims_what_it_acknowledged_on_its_own(redis_client):
     records = [record(setup, index) for index in range(5)]
     looping = ingestor(redis_client, trim_every_s=0)
     for item in records:
-        redis_client.xadd(REQUESTS_STREAM, item.to_fields())
+        redis_client.xadd(REQUESTS_STREAM, signed_entry(item))
     assert redis_client.xlen(REQUESTS_STREAM) == 5
     drain(looping)
     assert redis_client.xlen(REQUESTS_STREAM) == 0
@@ -216,7 +216,7 @@ def test_entries_trimmed_unread_are_counted_and_shown_on_the_overview(redis_clie
     setup = make_setup()
     records = [record(setup, index) for index in range(15)]
     stream_ingestor = ingestor(redis_client, batch_size=3)
-    ids = [redis_client.xadd(REQUESTS_STREAM, item.to_fields()) for item in records[:10]]
+    ids = [redis_client.xadd(REQUESTS_STREAM, signed_entry(item)) for item in records[:10]]
     lost_before = lost_total()
     stream_ingestor.run_once()  # its own pending entries: none
     stream_ingestor.run_once()  # entries 0-2
@@ -238,7 +238,7 @@ def test_entries_trimmed_unread_are_counted_and_shown_on_the_overview(redis_clie
     assert lost_total() - lost_before == 4
 
     # A second gap, found before ingest reads past it: 10-12 trimmed unread.
-    later_ids = [redis_client.xadd(REQUESTS_STREAM, item.to_fields()) for item in records[10:]]
+    later_ids = [redis_client.xadd(REQUESTS_STREAM, signed_entry(item)) for item in records[10:]]
     redis_client.xtrim(REQUESTS_STREAM, minid=later_ids[3], approximate=False)
     stream_ingestor.trim_acknowledged()
     drain(stream_ingestor)
@@ -263,7 +263,7 @@ def test_entries_trimmed_while_pending_are_counted(redis_client):
     setup = make_setup()
     records = [record(setup, index) for index in range(8)]
     ingestor(redis_client)  # the group
-    ids = [redis_client.xadd(REQUESTS_STREAM, item.to_fields()) for item in records]
+    ids = [redis_client.xadd(REQUESTS_STREAM, signed_entry(item)) for item in records]
     lost_before = lost_total()
     # Consumers take entries and stop before applying them (crashed; a failed batch left
     # pending looks the same): "ingest-1" takes 0-2, "ingest-dead" takes 3-4.

@@ -9,15 +9,21 @@ import uuid
 from collections.abc import Mapping, Sequence
 
 import pytest
+from django.conf import settings
 from django.db import InterfaceError, connection, transaction
 from prometheus_client import REGISTRY
 
-from contracts.routing import REQUESTS_STREAM, RequestRecord
+from contracts.routing import (
+    REQUESTS_STREAM,
+    RequestRecord,
+    request_fields_sign,
+    request_fields_verify,
+)
 from controlplane.telemetry.models import PromptRecord, RequestSample
 from controlplane.telemetry.requests import RequestsStreamHandler
 from controlplane.telemetry.streams import StreamIngestor
 from controlplane.tenants.models import UsageRecord
-from tests.gateway.conftest import make_setup
+from tests.gateway.conftest import make_setup, signed_entry
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -30,9 +36,10 @@ SAFE_VALUES = {"prompt_tokens": "0", "completion_tokens": "0", "deployment": "d"
 
 class UncheckedHandler(RequestsStreamHandler):
     def parse(self, entry_id: str, fields: Mapping[str, str]) -> RequestRecord:
+        request_fields_verify(fields, settings.TELEMETRY_RECORD_KEY)
         safe = {**fields, **SAFE_VALUES}
         safe.pop("prompt", None)
-        record = super().parse(entry_id, safe)
+        record = super().parse(entry_id, request_fields_sign(safe, settings.TELEMETRY_RECORD_KEY))
         raw = {name: kind(fields[name]) for name, kind in UNCHECKED.items() if name in fields}
         return dataclasses.replace(record, **raw)
 
@@ -41,6 +48,7 @@ class FailsOnceHandler(RequestsStreamHandler):
     """Fails its first apply in the given way, then applies for real."""
 
     def __init__(self, failure: str, redis_client) -> None:
+        super().__init__()
         self.failure = failure
         self.redis_client = redis_client
         self.calls = 0
@@ -141,7 +149,7 @@ def increase(before: dict[str, float]) -> dict[str, float]:
 def test_entries_the_database_refuses_are_dropped_and_the_rest_applied(
     redis_client, caplog, batch_size
 ) -> None:
-    setup = make_setup()
+    setup = make_setup(prompt_logging="full")
     good = [record(setup, prompt_tokens=n, completion_tokens=1) for n in (1, 2, 4, 8)]
     good[1] = dataclasses.replace(good[1], prompt="kept", completion="kept too")
     refused = {
@@ -153,7 +161,7 @@ def test_entries_the_database_refuses_are_dropped_and_the_rest_applied(
     stream = [good[0], *list(refused.values())[:2], good[1], good[2]]
     stream += [*list(refused.values())[2:], good[3]]
     for entry in stream:
-        redis_client.xadd(REQUESTS_STREAM, entry.to_fields())
+        redis_client.xadd(REQUESTS_STREAM, signed_entry(entry))
     ingestor = make_ingestor(redis_client, UncheckedHandler(), batch_size=batch_size)
     before = counters()
 
@@ -190,7 +198,7 @@ def test_entries_the_database_refuses_are_dropped_and_the_rest_applied(
 
     # The stream moves on.
     later = record(setup)
-    redis_client.xadd(REQUESTS_STREAM, later.to_fields())
+    redis_client.xadd(REQUESTS_STREAM, signed_entry(later))
     drain(ingestor)
     assert RequestSample.objects.filter(request_id=later.request_id).exists()
     assert pending(redis_client) == 0
@@ -199,6 +207,7 @@ def test_entries_the_database_refuses_are_dropped_and_the_rest_applied(
 def test_a_batch_without_refused_entries_is_applied_in_one_call(redis_client) -> None:
     class Counting(UncheckedHandler):
         def __init__(self) -> None:
+            super().__init__()
             self.batches: list[int] = []
 
         def apply(self, items: Sequence[RequestRecord]) -> None:
@@ -207,7 +216,7 @@ def test_a_batch_without_refused_entries_is_applied_in_one_call(redis_client) ->
 
     setup = make_setup()
     for _ in range(5):
-        redis_client.xadd(REQUESTS_STREAM, record(setup).to_fields())
+        redis_client.xadd(REQUESTS_STREAM, signed_entry(record(setup)))
     handler = Counting()
     drain(make_ingestor(redis_client, handler))
     assert handler.batches == [5]
@@ -221,7 +230,7 @@ def test_a_failure_that_is_not_an_entrys_fault_drops_nothing(redis_client, failu
     setup = make_setup()
     entries = [record(setup) for _ in range(3)]
     for entry in entries:
-        redis_client.xadd(REQUESTS_STREAM, entry.to_fields())
+        redis_client.xadd(REQUESTS_STREAM, signed_entry(entry))
     handler = FailsOnceHandler(failure, redis_client)
     ingestor = make_ingestor(redis_client, handler)
     before = counters()

@@ -16,7 +16,7 @@ from controlplane.telemetry.energy import (
 from controlplane.telemetry.models import EnergyAllocation, RequestSample
 from controlplane.telemetry.streams import MALFORMED_TOTAL
 from controlplane.tenants.models import UsageRecord
-from tests.gateway.conftest import ingest_all, make_setup
+from tests.gateway.conftest import ingest_all, make_setup, signed_entry
 
 AGENT = "http://10.0.0.1:8101"
 
@@ -50,9 +50,9 @@ def test_ingest_counts_each_request_once_and_drops_malformed(redis_client) -> No
     setup = make_setup()
     entries = [record(setup), record(setup, tokens=(7, 0), status=500)]
     for entry in entries:
-        redis_client.xadd(REQUESTS_STREAM, entry.to_fields())
+        redis_client.xadd(REQUESTS_STREAM, signed_entry(entry))
     redis_client.xadd(REQUESTS_STREAM, {"v": "1", "request_id": "not-hex"})
-    redis_client.xadd(REQUESTS_STREAM, entries[0].to_fields())  # a duplicate
+    redis_client.xadd(REQUESTS_STREAM, signed_entry(entries[0]))  # a duplicate
     malformed_before = MALFORMED_TOTAL.labels(REQUESTS_STREAM)._value.get()
     ingest_all(redis_client)
     assert MALFORMED_TOTAL.labels(REQUESTS_STREAM)._value.get() == malformed_before + 1
@@ -93,7 +93,7 @@ def test_energy_is_attributed_by_tokens_once(redis_client) -> None:
         record(second, tokens=(99, 99), finished_at=inside + 20),  # after the interval
         record(second, tokens=(99, 99), finished_at=inside, agent="http://other:1"),
     ]:
-        redis_client.xadd(REQUESTS_STREAM, entry.to_fields())
+        redis_client.xadd(REQUESTS_STREAM, signed_entry(entry))
     ingest_all(redis_client)
     allocation = energy_interval_attribute(
         source_key="fleet:1:test",
