@@ -14,7 +14,6 @@ import hmac
 from collections.abc import Iterable
 
 from django.conf import settings
-from django.db.models import F
 
 from controlplane.fleet.models import Agent, AgentCommand, CommandKind, CommandStatus
 
@@ -47,10 +46,17 @@ def engine_secrets_payload(*, agent_name: str, command_id: str) -> dict[str, str
     }
 
 
+# An agent reports its new engine (ready, the load's version) as soon as it serves,
+# before the load's result, which follows once the old engine has drained: an accepted
+# load may already be the one serving.
+SERVING_LOAD_STATUSES = (CommandStatus.ACCEPTED, CommandStatus.SUCCEEDED)
+
+
 def serving_secrets(agents: Iterable[Agent]) -> dict[int, str]:
     """{agent id: serving secret} of the engine each agent runs for its loaded version: the
-    one its latest succeeded load of that version started. An agent without such a load
-    (none recorded, or lost from the database) is left out: its engine's secret is unknown.
+    one its latest load of that version started, accepted or succeeded (agents run their
+    commands in order; a failed load left the previous engine serving). An agent without
+    such a load is left out: its engine's secret is unknown.
     """
     loaded = {agent.pk: agent.loaded_version_id for agent in agents if agent.loaded_version_id}
     if not loaded:
@@ -59,10 +65,10 @@ def serving_secrets(agents: Iterable[Agent]) -> dict[int, str]:
         AgentCommand.objects.filter(
             agent_id__in=list(loaded),
             kind=CommandKind.LOAD,
-            status=CommandStatus.SUCCEEDED,
+            status__in=SERVING_LOAD_STATUSES,
             version_id__in=set(loaded.values()),
         )
-        .order_by("agent_id", F("finished_at").desc(nulls_last=True), "-id")
+        .order_by("agent_id", "-created_at", "-id")
         .values_list("agent_id", "agent__name", "version_id", "command_id")
     )
     secrets: dict[int, str] = {}

@@ -4,8 +4,9 @@ Level-triggered: every pass reads the database as it is now and repairs whatever
 (a crash between a transition's commit and its routing write, a lost command, an agent
 that went away), so running it twice, or after any half-done step, is safe. Passes for
 one deployment are serialized by a Redis lock. The table routes only to ready agents:
-state ready, loaded version matching, seen within ROLLOUTS_AGENT_FRESH_S, with a
-succeeded load of that version (each endpoint's serving secret derives from it). A revoked
+state ready, loaded version matching, seen within ROLLOUTS_AGENT_FRESH_S, with a load
+of that version accepted or succeeded (each endpoint's serving secret derives from the
+latest). A revoked
 version is never routed nor kept loaded, and an active rollout of one is ended first.
 """
 

@@ -38,14 +38,19 @@ def agent(name: str, version, state: str = "ready", seen_ago_s: float = 1.0) -> 
     return created
 
 
-def load(on: Agent, version, *, finished_ago_s: float, status: str = "succeeded") -> AgentCommand:
+def load(
+    on: Agent, version, *, finished_ago_s: float | None, status: str = "succeeded"
+) -> AgentCommand:
+    """A load command, created now (after the ones before it); None: not finished."""
     return AgentCommand.objects.create(
         command_id=uuid.uuid4().hex,
         agent=on,
         kind="load",
         version=version,
         status=status,
-        finished_at=timezone.now() - timedelta(seconds=finished_ago_s),
+        finished_at=None
+        if finished_ago_s is None
+        else timezone.now() - timedelta(seconds=finished_ago_s),
     )
 
 
@@ -211,6 +216,9 @@ def test_each_endpoint_carries_its_engines_serving_secret_and_never_the_admin_on
     newer = load(gpu0, stable, finished_ago_s=600)
     load(gpu0, stable, finished_ago_s=300, status="failed")
     load(gpu0, candidate, finished_ago_s=1200)
+    # gpu-1 reports the engine of a load whose result is not in yet (it follows the old
+    # engine's drain): that load's secret.
+    in_flight = load(gpu1, stable, finished_ago_s=None, status="accepted")
     # gpu-2 is ready but no load of its version is recorded: its engine's secret is unknown.
     unknown = agent("gpu-2", stable)
     AgentCommand.objects.filter(agent=unknown).delete()
@@ -221,12 +229,12 @@ def test_each_endpoint_carries_its_engines_serving_secret_and_never_the_admin_on
     assert route.endpoints == (gpu0.endpoint, gpu1.endpoint)
     assert dict(route.endpoint_secrets) == {
         gpu0.endpoint: secrets_of(newer)[0],
-        gpu1.endpoint: secrets_of(AgentCommand.objects.get(agent=gpu1))[0],
+        gpu1.endpoint: secrets_of(in_flight)[0],
     }
     for command in AgentCommand.objects.filter(kind="load"):
         serving, admin = secrets_of(command)
         assert admin not in raw
-        assert (serving in raw) == (command.pk in {newer.pk, gpu1.commands.get().pk})
+        assert (serving in raw) == (command.pk in {newer.pk, in_flight.pk})
     assert secrets_of(first)[0] not in raw
     assert unknown.endpoint not in raw
 
