@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from engine.config import EngineSecrets
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,8 @@ class EngineSpec:
     threads: int
     fault_latency_ms: float = 0.0
     fault_error_rate: float = 0.0
+    # Passed in the engine's environment, never its arguments (`ps` shows those).
+    secrets: EngineSecrets | None = field(default=None, repr=False)
 
     def arguments(self) -> list[str]:
         return [
@@ -102,6 +107,9 @@ class EngineProcess:
         self._process: subprocess.Popen[bytes] | None = None
         self._base_url = f"http://{spec.host}:{spec.port}"
         self._client = httpx.Client(base_url=self._base_url, timeout=2.0)
+        if spec.secrets is None:
+            raise EngineStartError("an engine needs its serving and admin secrets")
+        self._secrets = spec.secrets
         self._lock = threading.Lock()
 
     @property
@@ -117,6 +125,7 @@ class EngineProcess:
         with open(self.log_path, "ab") as log:
             self._process = subprocess.Popen(
                 self.command,
+                env={**os.environ, **self._secrets.environment()},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -137,13 +146,19 @@ class EngineProcess:
             return ""
         return text.strip()
 
+    def _authorization(self, path: str) -> dict[str, str]:
+        """The admin secret for /admin/*, the serving secret for the rest."""
+        is_admin = path.startswith("/admin/")
+        secret = self._secrets.admin if is_admin else self._secrets.serving
+        return {"Authorization": f"Bearer {secret}"}
+
     def _get(self, path: str) -> httpx.Response:
         with self._lock:
-            return self._client.get(path)
+            return self._client.get(path, headers=self._authorization(path))
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
         with self._lock:
-            return self._client.post(path, json=body)
+            return self._client.post(path, json=body, headers=self._authorization(path))
 
     def health(self) -> str | None:
         try:

@@ -56,6 +56,7 @@ from contracts.streams import (
     parse_faults_payload,
     parse_load_payload,
 )
+from engine.config import EngineSecrets
 
 logger = logging.getLogger("agent")
 
@@ -515,6 +516,10 @@ class Agent:
                 and previous_load is not None
                 and previous_load.digest == load.digest
                 and previous_load.serving_config == load.serving_config
+                # The engine requires its own load's secrets: the routing table names the
+                # newest load's, so a load with new ones starts a new engine.
+                and previous_load.serving_secret == load.serving_secret
+                and previous_load.admin_secret == load.admin_secret
             ):
                 return f"already serving version {load.version_id} at {current.endpoint}"
             self.state, self.detail = AgentState.LOADING, ""
@@ -575,6 +580,7 @@ class Agent:
             threads=self.config.engine_threads,
             fault_latency_ms=faults.latency_ms_per_token,
             fault_error_rate=faults.error_rate,
+            secrets=EngineSecrets(serving=load.serving_secret, admin=load.admin_secret),
         )
         try:
             engine = EngineProcess(

@@ -42,6 +42,8 @@ from typing import Any
 import httpx
 import torch
 
+from engine.config import EngineSecrets
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUDGET_S = 400  # `make bench` has 840 s for its five steps
 QUICK_BUDGET_S = 150
@@ -123,6 +125,13 @@ def free_port() -> int:
 
 
 # ---- the engine over HTTP ---------------------------------------------------------------
+# The engine's secrets for this run; the serving one goes with every request (a header
+# costs nothing measurable), the admin one with the /admin/stats readings.
+SECRETS = EngineSecrets.generate()
+SERVING_HEADERS = {"Authorization": f"Bearer {SECRETS.serving}"}
+ADMIN_HEADERS = {"Authorization": f"Bearer {SECRETS.admin}"}
+
+
 def start_engine(options: Options) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     command = [
@@ -133,14 +142,20 @@ def start_engine(options: Options) -> tuple[subprocess.Popen[bytes], str]:
         "--kv-cache-memory-mb", str(options.kv_cache_mb), "--max-model-len", "1024",
         "--max-queue", "1024", "--log-level", "warning",
     ]  # fmt: skip
-    process = subprocess.Popen(command, cwd=REPO_ROOT, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        cwd=REPO_ROOT,
+        env={**os.environ, **SECRETS.environment()},
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"engine exited with {process.returncode}")
         try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+            health = httpx.get(f"{base}/health", headers=SERVING_HEADERS, timeout=2)
+            if health.status_code == 200:
                 return process, base
         except httpx.TransportError:
             pass
@@ -191,7 +206,9 @@ async def run_serving(
 ) -> ServingResult:
     """All requests with `in_flight` open at a time; none is started after the deadline."""
     limits = httpx.Limits(max_connections=in_flight + 4)
-    async with httpx.AsyncClient(base_url=base, timeout=3600, limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=base, timeout=3600, limits=limits, headers=SERVING_HEADERS
+    ) as client:
         gate = asyncio.Semaphore(in_flight)
         submitted = 0
 
@@ -212,7 +229,7 @@ async def run_serving(
 
 
 async def run_ttft(base: str, prompts: list[list[int]]) -> list[float]:
-    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=600, headers=SERVING_HEADERS) as client:
         results = await asyncio.gather(*(stream_one(client, p, 8, True) for p in prompts))
     return [ttft for ttft, _ in results]
 
@@ -697,9 +714,9 @@ def measure(options: Options) -> dict[str, Any]:
             run_ttft(base, random_prompts(options.ttft_many, options.ttft_prompt, seed=12))
         )
         submit_deadline = end - reference_share - 0.15 * options.budget_s
-        before = httpx.get(f"{base}/admin/stats", timeout=10).json()
+        before = httpx.get(f"{base}/admin/stats", headers=ADMIN_HEADERS, timeout=10).json()
         serving = asyncio.run(run_serving(base, workload, options.in_flight, submit_deadline))
-        stats = httpx.get(f"{base}/admin/stats", timeout=10).json()
+        stats = httpx.get(f"{base}/admin/stats", headers=ADMIN_HEADERS, timeout=10).json()
     finally:
         stop_engine(process)
     engine_rate = serving.tokens / serving.seconds

@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from bench.stack import DEPLOYMENT, MODEL, DemoStack, wait_for
+from engine.config import EngineSecrets
 from loadgen.energy import parse_prometheus
 from loadgen.report import write_run
 from loadgen.runner import LoadConfig, RunResult, run_load
@@ -130,8 +131,13 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# The directly driven engine's secrets; loadgen sends the serving one as its API key.
+ENGINE_SECRETS = EngineSecrets.generate()
+ENGINE_HEADERS = {"Authorization": f"Bearer {ENGINE_SECRETS.serving}"}
+
+
 def _engine_counters(port: int) -> dict[str, float]:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=ENGINE_HEADERS, timeout=10).text
     return parse_prometheus(text)
 
 
@@ -139,7 +145,8 @@ def _wait_healthy(port: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+            health = httpx.get(f"http://127.0.0.1:{port}/health", headers=ENGINE_HEADERS, timeout=2)
+            if health.status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -154,12 +161,14 @@ def engine_fidelity(out_dir: Path, quick: bool) -> tuple[list[dict[str, Any]], l
         [sys.executable, "-m", "engine", "serve", "--model", "smollm2", "--dtype", "bfloat16",
          "--threads", "1", "--port", str(port)],
         cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, **ENGINE_SECRETS.environment()},
     )  # fmt: skip
     try:
         _wait_healthy(port, timeout=150)
         before = _engine_counters(port)
         config = LoadConfig(
             base_url=f"http://127.0.0.1:{port}/v1",
+            api_key=ENGINE_SECRETS.serving,
             model="smollm2",
             concurrency=2,
             num_requests=6 if quick else 10,

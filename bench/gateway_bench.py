@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts.stats import percentile
+from engine.config import SERVING_SECRET_VARIABLE, EngineSecrets
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUDGET_S = 120
@@ -118,11 +119,16 @@ class Result:
 class Client:
     """Streams chat completions and timestamps their content events."""
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, keys: dict[str, str]) -> None:
+        """`keys`: base URL -> its bearer key (the tenant's API key for the gateway, the
+        engine's serving secret for the direct path): the same headers on both paths."""
         from controlplane.gateway.upstream import UpstreamPool
 
         self.pool = UpstreamPool(connect_timeout_s=5, read_timeout_s=120, keepalive_expiry_s=60)
-        self.headers = [("content-type", "application/json"), ("authorization", f"Bearer {key}")]
+        self.headers = {
+            url: [("content-type", "application/json"), ("authorization", f"Bearer {key}")]
+            for url, key in keys.items()
+        }
 
     async def stream(self, base_url: str, max_tokens: int) -> Result:
         from controlplane.gateway.metering import StreamMeter
@@ -140,7 +146,9 @@ class Client:
         # The gateway's own stream meter finds the content events (a byte scan per event).
         meter = StreamMeter(started=started, is_usage_stripped=False, is_capturing=False)
         try:
-            response = await self.pool.post(base_url, "/v1/chat/completions", body, self.headers)
+            response = await self.pool.post(
+                base_url, "/v1/chat/completions", body, self.headers[base_url]
+            )
         except Exception as error:
             return Result(started, None, [], f"{type(error).__name__}: {error}")
         try:
@@ -325,9 +333,14 @@ async def measure_twins(
 
 
 async def measure(
-    urls: dict[str, str], key: str, deadline: float, quick: bool, twins: bool = False
+    urls: dict[str, str],
+    key: str,
+    engine_secret: str,
+    deadline: float,
+    quick: bool,
+    twins: bool = False,
 ) -> tuple[dict[str, dict[str, PathSamples]], list[str]]:
-    client = Client(key)
+    client = Client({urls["direct"]: engine_secret, urls["gateway"]: key})
     notes = []
     # Warm both paths: connections, the gateway's key cache, the engine's first batches.
     for _ in range(3):
@@ -468,11 +481,11 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _is_up(url: str, path: str) -> bool:
+def _is_up(url: str, path: str, headers: dict[str, str] | None = None) -> bool:
     import httpx
 
     try:
-        return httpx.get(url + path, timeout=1).status_code < 500
+        return httpx.get(url + path, headers=headers, timeout=1).status_code < 500
     except httpx.HTTPError:
         return False
 
@@ -540,6 +553,7 @@ def run_bench(
     quick: bool,
     *,
     engine_url: str | None = None,
+    engine_secret: str = "",
     mount: bool = False,
     budget_s: float | None = None,
     twins: bool = False,
@@ -574,22 +588,26 @@ def run_bench(
                                            "LOG_LEVEL", "LOG_FORMAT")})  # fmt: skip
     processes: list[tuple[str, subprocess.Popen, Path]] = []
 
-    def spawn(name: str, args: list[str]) -> None:
+    def spawn(name: str, args: list[str], **extra_env: str) -> None:
         log = out_dir / f"{name}.log"
         with log.open("wb") as handle:
             # Same process group as the bench: the suite's time limit stops them too.
-            process = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=handle,
-                                       stderr=subprocess.STDOUT)  # fmt: skip
+            process = subprocess.Popen(args, cwd=REPO_ROOT, env={**env, **extra_env},
+                                       stdout=handle, stderr=subprocess.STDOUT)  # fmt: skip
         processes.append((name, process, log))
 
     try:
         if engine_url is None:
             port = _free_port()
+            engine_secrets = EngineSecrets.generate()
+            engine_secret = engine_secrets.serving
             spawn("engine", [sys.executable, "-m", "engine", "serve", "--model", "smollm2",
                              "--threads", "1", "--host", "127.0.0.1", "--port", str(port),
                              "--served-model-name", MODEL_NAME, "--device", "cpu",
-                             "--log-level", "warning"])  # fmt: skip
+                             "--log-level", "warning"], **engine_secrets.environment())  # fmt: skip
             engine_url = f"http://127.0.0.1:{port}"
+        elif not engine_secret:
+            return {"skipped": f"--engine needs that engine's {SERVING_SECRET_VARIABLE}"}
         subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"],
                        cwd=REPO_ROOT, env=env, check=True)  # fmt: skip
         import django
@@ -603,7 +621,8 @@ def run_bench(
                           "--log-level", "warning"])  # fmt: skip
         gateway_url = f"http://127.0.0.1:{gateway_port}"
         _wait(lambda: _is_up(gateway_url, "/v1/models"), 60, "gateway", processes)
-        _wait(lambda: _is_up(engine_url, "/health"), 180, "engine", processes)
+        engine_headers = {"Authorization": f"Bearer {engine_secret}"}
+        _wait(lambda: _is_up(engine_url, "/health", engine_headers), 180, "engine", processes)
 
         from controlplane.rollouts.routing import routing_table_publish
 
@@ -611,7 +630,8 @@ def run_bench(
             deployment=MODEL_NAME,
             model=MODEL_NAME,
             versions=[{"version_id": version_id, "label": "bench", "weight": 100,
-                       "endpoints": [engine_url]}],
+                       "endpoints": [engine_url],
+                       "endpoint_secrets": {engine_url: engine_secret}}],
         )  # fmt: skip
 
         def routed() -> bool:
@@ -630,7 +650,7 @@ def run_bench(
         deadline = time.perf_counter() + measure_s
         urls = {"direct": engine_url, "gateway": gateway_url}
         load_before = os.getloadavg()[0]
-        samples, notes = asyncio.run(measure(urls, key, deadline, quick, twins))
+        samples, notes = asyncio.run(measure(urls, key, engine_secret, deadline, quick, twins))
         # Other work on the machine shows here (this run's own busy engine thread makes 1).
         notes.append(
             f"load average (1 min) {load_before:.1f} as the measurement began, "
@@ -713,7 +733,11 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help=f"{QUICK_BUDGET_S} s instead of {BUDGET_S} s"
     )
-    parser.add_argument("--engine", help="base URL of a running engine (default: start one)")
+    parser.add_argument(
+        "--engine",
+        help="base URL of a running engine (default: start one); its serving secret in"
+        f" ${SERVING_SECRET_VARIABLE}",
+    )
     parser.add_argument("--mount", action="store_true", help="serve via controlplane.asgi")
     parser.add_argument(
         "--twins",
@@ -732,6 +756,7 @@ def main() -> None:
         out_dir,
         args.quick,
         engine_url=args.engine,
+        engine_secret=os.environ.get(SERVING_SECRET_VARIABLE, ""),
         mount=args.mount,
         budget_s=args.seconds,
         twins=args.twins,

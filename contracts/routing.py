@@ -10,7 +10,10 @@ Routing (written by the rollouts reconciler, today by
 - `routing:deployments`: a set of the deployment names that have a table.
 - `routing:changed`: a pub/sub channel; each message is the name of a deployment
   whose table changed (or was deleted). Gateways also re-read every table every few
-  seconds, so a lost message only delays a change.
+  seconds, so a lost message only delays a change. Each version's `endpoint_secrets`
+  maps its endpoints to the serving secret the gateway presents to that engine
+  (`Authorization: Bearer`); an endpoint without one is sent no credentials, which the
+  engine refuses. The engines' admin secrets are never in a table.
 
 Requests (written by the gateway after every routed request, read by ingest):
 
@@ -42,7 +45,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from contracts.streams import MAX_BIGINT, MAX_INTEGER
+from contracts.streams import ENGINE_SECRET_PATTERN, MAX_BIGINT, MAX_INTEGER
 from contracts.streams import MAX_SENT_AT as MAX_UNIX_TIME
 
 SCHEMA_VERSION = "1"
@@ -92,6 +95,8 @@ class VersionRoute:
     # The version's context (prompt plus completion, in tokens): a request can use no
     # more, so the gateway's token reservation need be no larger. 0: not known.
     max_model_len: int = 0
+    # endpoint -> the serving secret of the engine behind it (64 hex characters)
+    endpoint_secrets: Mapping[str, str] = field(default_factory=dict, repr=False, hash=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -100,6 +105,7 @@ class VersionRoute:
             "weight": self.weight,
             "endpoints": list(self.endpoints),
             "max_model_len": self.max_model_len,
+            "endpoint_secrets": dict(sorted(self.endpoint_secrets.items())),
         }
 
 
@@ -194,6 +200,20 @@ def routing_table_build(
         for endpoint in version.endpoints:
             if not isinstance(endpoint, str) or not ENDPOINT_PATTERN.fullmatch(endpoint):
                 raise RoutingContractError(f"{where}.endpoints: {endpoint!r} is not an http(s) URL")
+        endpoints = {endpoint.rstrip("/") for endpoint in version.endpoints}
+        if not isinstance(version.endpoint_secrets, Mapping):
+            raise RoutingContractError(f"{where}.endpoint_secrets: must map endpoints to secrets")
+        for endpoint, secret in version.endpoint_secrets.items():
+            if not isinstance(endpoint, str) or endpoint.rstrip("/") not in endpoints:
+                raise RoutingContractError(
+                    f"{where}.endpoint_secrets: {str(endpoint)[:80]!r} is not one of its endpoints"
+                )
+            # The message never quotes the secret.
+            if not isinstance(secret, str) or not ENGINE_SECRET_PATTERN.fullmatch(secret):
+                raise RoutingContractError(
+                    f"{where}.endpoint_secrets[{endpoint[:80]!r}]: must be 64 lowercase hex"
+                    " characters"
+                )
     if versions and sum(version.weight for version in versions) == 0:
         raise RoutingContractError("versions: at least one weight must be positive")
     checked: dict[str, dict[int, int]] = {}
@@ -221,6 +241,10 @@ def routing_table_build(
                 weight=version.weight,
                 endpoints=tuple(endpoint.rstrip("/") for endpoint in version.endpoints),
                 max_model_len=version.max_model_len,
+                endpoint_secrets={
+                    endpoint.rstrip("/"): secret
+                    for endpoint, secret in version.endpoint_secrets.items()
+                },
             )
             for version in versions
         ),
@@ -254,6 +278,10 @@ def parse_routing_table(raw: str | bytes) -> RoutingTable:
                 endpoints=tuple(endpoints),
                 # absent in tables published before it existed
                 max_model_len=_field(item, "max_model_len", int) if "max_model_len" in item else 0,
+                # absent in tables published before it existed; checked by the build below
+                endpoint_secrets=(
+                    _field(item, "endpoint_secrets", dict) if "endpoint_secrets" in item else {}
+                ),
             )
         )
     raw_tenant_weights = data.get("tenant_weights", {})  # absent in tables before it existed

@@ -60,6 +60,8 @@ COMMAND_TTL_S = 300.0
 
 AGENT_NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 DIGEST_PATTERN = re.compile(r"^[0-9a-f]{64}$")
+# An engine secret as the control plane derives it: an HMAC-SHA256, in hex.
+ENGINE_SECRET_PATTERN = re.compile(r"^[0-9a-f]{64}$")
 ENDPOINT_PATTERN = re.compile(r"https?://[^\s/]+(:\d+)?/?")
 
 # Upper bounds that keep every accepted value storable (PostgreSQL bigint and integer
@@ -443,6 +445,8 @@ class LoadPayload:
     The signature covers (digest, serving_config); the agent checks the artifact's
     SHA-256 against `digest` and the signature with `public_key` (and, when it was
     started with pinned keys, that `key_id` is one of them) before anything is loaded.
+    `serving_secret` and `admin_secret` are the bearer secrets the engine it starts
+    requires (derived per load command by the control plane; never recorded nor shown).
     """
 
     version_id: int
@@ -456,6 +460,8 @@ class LoadPayload:
     key_id: str
     public_key: str
     served_model_name: str
+    serving_secret: str = field(default="", repr=False)
+    admin_secret: str = field(default="", repr=False)
 
 
 @dataclass(slots=True, frozen=True)
@@ -556,6 +562,13 @@ def parse_load_payload(payload: Mapping[str, Any]) -> LoadPayload:
     size_bytes = _payload_value(payload, "size_bytes", int)
     if size_bytes < 0:
         raise ContractError("payload.size_bytes: must be >= 0")
+    secrets = {}
+    for name in ("serving_secret", "admin_secret"):
+        secrets[name] = _payload_value(payload, name, str)
+        if not ENGINE_SECRET_PATTERN.fullmatch(secrets[name]):
+            raise ContractError(f"payload.{name}: must be 64 lowercase hex characters")
+    if secrets["serving_secret"] == secrets["admin_secret"]:
+        raise ContractError("payload.admin_secret: must differ from serving_secret")
     return LoadPayload(
         version_id=version_id,
         model=_payload_value(payload, "model", str),
@@ -568,6 +581,7 @@ def parse_load_payload(payload: Mapping[str, Any]) -> LoadPayload:
         key_id=_payload_value(payload, "key_id", str),
         public_key=_payload_value(payload, "public_key", str),
         served_model_name=_payload_value(payload, "served_model_name", str),
+        **secrets,
     )
 
 

@@ -312,6 +312,9 @@ FLEET_LOST_AFTER_S = float(
 )
 FLEET_SAMPLE_RETENTION_S = int(os.environ.get("FLEET_SAMPLE_RETENTION_S", str(7 * 24 * 3600)))
 FLEET_COMMAND_TTL_S = float(os.environ.get("FLEET_COMMAND_TTL_S", "300"))
+# The key engine secrets are derived from (controlplane.fleet.engine_secrets); empty:
+# derived from SECRET_KEY, so that development and tests need nothing more.
+FLEET_ENGINE_KEY = os.environ.get("FLEET_ENGINE_KEY", "")
 
 # Rollouts
 # Canary analysis runs every this many seconds (10 in the demo).

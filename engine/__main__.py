@@ -1,9 +1,14 @@
-"""`python -m engine serve --model smollm2 --dtype float32 --port 8100`."""
+"""`python -m engine serve --model smollm2 --dtype float32 --port 8100`.
+
+The two bearer secrets come from the environment (ENGINE_SERVING_SECRET,
+ENGINE_ADMIN_SECRET; see engine.config.EngineSecrets), never from the arguments.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -12,7 +17,13 @@ from types import FrameType
 import torch
 import uvicorn
 
-from engine.config import DTYPES, EngineConfig
+from engine.config import (
+    ADMIN_SECRET_VARIABLE,
+    DTYPES,
+    SERVING_SECRET_VARIABLE,
+    EngineConfig,
+    EngineSecrets,
+)
 from engine.models import decode_attention
 from engine.models.layers import cpu_has_native_bf16
 from engine.server import EngineApp
@@ -106,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not 0 < args.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {args.port}")
+        secrets = EngineSecrets.from_environment(os.environ)
         if args.device and args.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {args.device!r}")
         if args.device == "cuda" and not torch.cuda.is_available():
@@ -136,10 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"engine: error: {error}", file=sys.stderr)
         return 2
+    # Read once; nothing this process starts needs them.
+    os.environ.pop(SERVING_SECRET_VARIABLE, None)
+    os.environ.pop(ADMIN_SECRET_VARIABLE, None)
     if config.threads:
         torch.set_num_threads(config.threads)
         torch.set_num_interop_threads(1)
-    app = EngineApp(config, embedding_only=embedding_only)
+    app = EngineApp(config, secrets=secrets, embedding_only=embedding_only)
     uvicorn_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
         access_log=args.log_level == "debug", timeout_graceful_shutdown=5,

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import re
+import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "int8")
+
+# The environment variables an engine reads its two secrets from (never argv: other users
+# of the host can read a process's arguments).
+SERVING_SECRET_VARIABLE = "ENGINE_SERVING_SECRET"  # noqa: S105 - a variable's name
+ADMIN_SECRET_VARIABLE = "ENGINE_ADMIN_SECRET"  # noqa: S105 - a variable's name
+SECRET_VARIABLES = (SERVING_SECRET_VARIABLE, ADMIN_SECRET_VARIABLE)
+# Visible ASCII without spaces: it travels in an HTTP header. 32 characters at least.
+SECRET_PATTERN = re.compile(r"^[!-~]{32,256}$")
 
 
 @dataclass(slots=True)
@@ -92,3 +103,52 @@ def validate_faults(latency_ms_per_token: float, error_rate: float) -> None:
         raise ValueError(f"latency_ms_per_token must be >= 0, got {latency_ms_per_token}")
     if not 0 <= error_rate <= 1:
         raise ValueError(f"error_rate must be in [0, 1], got {error_rate}")
+
+
+@dataclass(slots=True, frozen=True)
+class EngineSecrets:
+    """The bearer secrets an engine requires: `serving` opens /v1/*, /health and /metrics
+    (the gateway, the agent, evaluations), `admin` opens /admin/* (the agent only)."""
+
+    serving: str
+    admin: str
+
+    def __post_init__(self) -> None:
+        for name, variable in (
+            ("serving", SERVING_SECRET_VARIABLE),
+            ("admin", ADMIN_SECRET_VARIABLE),
+        ):
+            if not SECRET_PATTERN.fullmatch(getattr(self, name)):
+                raise ValueError(
+                    f"{variable} must be 32-256 visible ASCII characters without spaces"
+                )
+        if self.serving == self.admin:
+            raise ValueError(f"{SERVING_SECRET_VARIABLE} and {ADMIN_SECRET_VARIABLE} must differ")
+
+    def __repr__(self) -> str:  # never print a secret by accident
+        return "EngineSecrets(serving=***, admin=***)"
+
+    @classmethod
+    def from_environment(cls, environment: Mapping[str, str]) -> EngineSecrets:
+        missing = [
+            name
+            for name in (SERVING_SECRET_VARIABLE, ADMIN_SECRET_VARIABLE)
+            if not environment.get(name)
+        ]
+        if missing:
+            raise ValueError(
+                f"{' and '.join(missing)} not set: the engine requires a serving and an admin "
+                "secret in its environment (the agent sets both from its load command)"
+            )
+        return cls(
+            serving=environment[SERVING_SECRET_VARIABLE], admin=environment[ADMIN_SECRET_VARIABLE]
+        )
+
+    @classmethod
+    def generate(cls) -> EngineSecrets:
+        """A fresh random pair, for an engine started by hand (benchmarks, tests)."""
+        return cls(serving=secrets.token_hex(32), admin=secrets.token_hex(32))
+
+    def environment(self) -> dict[str, str]:
+        """The variables that pass these secrets to an engine process."""
+        return {SERVING_SECRET_VARIABLE: self.serving, ADMIN_SECRET_VARIABLE: self.admin}

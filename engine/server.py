@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import logging
 import random
@@ -18,7 +19,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from contracts.openai_request import (
     RequestFieldError,
@@ -26,7 +27,7 @@ from contracts.openai_request import (
     check_completion_request,
     check_embedding_request,
 )
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineSecrets
 from engine.embedder import EmbeddingService
 from engine.llm_engine import EngineFailedError, LLMEngine, QueueFullError, RequestOutput
 from engine.protocol import (
@@ -46,6 +47,17 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 MAX_BODY_BYTES = 8 * 2**20
+ADMIN_PREFIX = "/admin"
+
+
+def unauthorized() -> ApiError:
+    return ApiError(
+        401,
+        "missing or invalid engine credentials",
+        type="authentication_error",
+        code="invalid_engine_credentials",
+        headers={"www-authenticate": "Bearer"},
+    )
 
 
 def _put(
@@ -123,8 +135,20 @@ class HttpRequest:
 class EngineApp:
     """The ASGI application: one LLM engine (or none, for embedding-only servers)."""
 
-    def __init__(self, config: EngineConfig, embedding_only: bool = False):
+    def __init__(
+        self, config: EngineConfig, *, secrets: EngineSecrets, embedding_only: bool = False
+    ):
         self.config = config
+        self._secrets = {"serving": secrets.serving.encode(), "admin": secrets.admin.encode()}
+        self.registry = CollectorRegistry()  # the server's own series, beside the engine's
+        self.refused = Counter(
+            "engine:unauthorized_requests",
+            "Requests refused for a missing or wrong bearer secret, by the secret required.",
+            ["scope"],
+            registry=self.registry,
+        )
+        for scope in self._secrets:
+            self.refused.labels(scope=scope)
         self.embedding_only = embedding_only
         self.engine = None if embedding_only else LLMEngine(config)
         self.embeddings = EmbeddingService(config.embedding_batch_size, config.threads)
@@ -208,6 +232,8 @@ class EngineApp:
         }
         handler = routes.get((request.method, request.path.rstrip("/") or "/"))
         try:
+            # Before anything else, unknown paths included: a refused request touches nothing.
+            self._authenticate(request)
             if handler is None:
                 known = {path for _, path in routes}
                 if request.path in known:
@@ -226,6 +252,21 @@ class EngineApp:
                 500, "internal server error", type="server_error", code="internal_error"
             )
             await request.respond_json(500, internal.body())
+
+    def _authenticate(self, request: HttpRequest) -> None:
+        """/admin/* takes the admin secret, every other path the serving secret; neither
+        secret opens the other's paths."""
+        path = request.path
+        is_admin = path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/")
+        scope = "admin" if is_admin else "serving"
+        header = request.header(b"authorization") or ""
+        scheme, _, presented = header.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(
+            presented.strip().encode("latin-1"), self._secrets[scope]
+        ):
+            return
+        self.refused.labels(scope=scope).inc()
+        raise unauthorized()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -271,7 +312,9 @@ class EngineApp:
         await request.respond_json(200, {"object": "list", "data": data})
 
     async def prometheus(self, request: HttpRequest) -> None:
-        body = b"" if self.engine is None else generate_latest(self.engine.metrics.registry)
+        body = generate_latest(self.registry)
+        if self.engine is not None:
+            body = generate_latest(self.engine.metrics.registry) + body
         await request.respond(200, body, CONTENT_TYPE_LATEST)
 
     async def admin_stats(self, request: HttpRequest) -> None:

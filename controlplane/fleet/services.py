@@ -7,6 +7,7 @@ Heartbeats are written by controlplane.telemetry.heartbeats.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
@@ -29,6 +30,7 @@ from controlplane.core import access
 from controlplane.core.errors import Conflict, DomainError, Forbidden, NotFound, Unavailable
 from controlplane.core.events import BROADCAST_GROUP, FLEET_LIVE_GROUP, publish_events
 from controlplane.core.redis_clients import redis_client as make_redis_client
+from controlplane.fleet.engine_secrets import engine_secrets_payload
 from controlplane.fleet.models import (
     FINAL_COMMAND_STATUSES,
     Agent,
@@ -215,6 +217,11 @@ def agent_command_send(
             raise DomainError("invalid", "The fault settings are not valid.", fields=problems)
         payload = {"latency_ms_per_token": latency, "error_rate": rate}
     wire = new_command(WireCommandKind(kind), payload, ttl_s=settings.FLEET_COMMAND_TTL_S)
+    if kind == CommandKind.LOAD:
+        # Only the stream entry carries the engine's secrets; the recorded payload, which the
+        # API shows, does not (they are derived again from the command id when needed).
+        secrets = engine_secrets_payload(agent_name=agent_name, command_id=wire.command_id)
+        wire = dataclasses.replace(wire, payload={**payload, **secrets})
     try:
         with transaction.atomic():
             agent = Agent.objects.select_for_update().filter(name=agent_name).first()

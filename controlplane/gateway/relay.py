@@ -1,8 +1,11 @@
 """Sending a request to an agent and its response back to the client.
 
-The agent is the version's least busy ready one; a refusal (connection refused, 503) is
-retried once on another. Responses stream through as they arrive; a stream's tokens are
-metered on the way (metering.StreamMeter).
+The agent is the version's least busy ready one; a refusal (connection refused, 503, or
+401: its engine refused the serving secret the routing table gave, a table older than
+its engine) is retried once on another. Each request presents the endpoint's serving
+secret (`Authorization: Bearer`); an engine's 401 never reaches the client. Responses
+stream through as they arrive; a stream's tokens are metered on the way
+(metering.StreamMeter).
 """
 
 import asyncio
@@ -28,6 +31,15 @@ from controlplane.gateway.upstream import (
 logger = logging.getLogger(__name__)
 
 UPSTREAM_RETRIES = Counter("gateway_upstream_retries_total", "Requests retried on another agent")
+UPSTREAM_UNAUTHORIZED = Counter(
+    "gateway_upstream_unauthorized_total", "Engine answers refusing the serving secret presented"
+)
+
+
+def engine_headers(version: VersionRoute, endpoint: str, headers: list[tuple[str, str]]):
+    """`headers` and the endpoint's serving secret, when the routing table has one."""
+    secret = version.endpoint_secrets.get(endpoint)
+    return headers if secret is None else [*headers, ("authorization", f"Bearer {secret}")]
 
 
 class Relay:
@@ -62,7 +74,9 @@ class Relay:
             outcome.attempts += 1
             self.outstanding[endpoint] += 1
             try:
-                response = await self.upstream.post(endpoint, path, raw, headers)
+                response = await self.upstream.post(
+                    endpoint, path, raw, engine_headers(version, endpoint, headers)
+                )
             except UpstreamConnectError as exc:
                 self.outstanding[endpoint] -= 1
                 logger.warning("agent refused", extra={"agent": endpoint, "error": str(exc)})
@@ -70,6 +84,13 @@ class Relay:
             except BaseException:
                 self.outstanding[endpoint] -= 1
                 raise
+            if response.status == 401:
+                # Our credentials, not the client's: another agent, else no_ready_agent.
+                UPSTREAM_UNAUTHORIZED.inc()
+                logger.error("agent refused the serving secret", extra={"agent": endpoint})
+                response.close()
+                self.outstanding[endpoint] -= 1
+                continue
             is_refusal = response.status == 503
             if (
                 is_refusal

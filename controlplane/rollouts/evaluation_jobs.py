@@ -4,6 +4,8 @@ A job measures the candidate through a ready agent's engine (and, for agreement,
 baseline's), records the evaluation in the registry and re-checks the gate. No
 transaction is held during the HTTP calls, and no step sleeps: joules per token waits for
 the agent's next heartbeat in a task that is retried (tasks.rollout_evaluate_energy).
+Each engine is called with its serving secret (derived from the agent's load command);
+the secrets are never part of what is measured, recorded or passed between tasks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from controlplane.core.errors import DomainError
+from controlplane.fleet.engine_secrets import serving_secrets
 from controlplane.fleet.models import Agent, AgentState
 from controlplane.registry import store
 from controlplane.registry.models import EvalSuite, Evaluation
@@ -42,17 +45,30 @@ def evaluations_due(*, rollout_id: int) -> list[int]:
     return due
 
 
-def _ready_endpoint(version_id: int) -> str | None:
+@dataclass(frozen=True)
+class EngineTarget:
+    endpoint: str
+    serving_secret: str = field(repr=False)
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(headers={"Authorization": f"Bearer {self.serving_secret}"})
+
+
+def _ready_engine(version_id: int) -> EngineTarget | None:
+    """The first ready agent serving the version whose engine's serving secret is known."""
     fresh_after = timezone.now() - timedelta(seconds=settings.ROLLOUTS_AGENT_FRESH_S)
-    agent = (
+    agents = list(
         Agent.objects.filter(
             state=AgentState.READY, loaded_version_id=version_id, last_seen__gte=fresh_after
         )
         .exclude(endpoint="")
         .order_by("name")
-        .first()
     )
-    return agent.endpoint if agent is not None else None
+    secrets = serving_secrets(agents)
+    for agent in agents:
+        if agent.pk in secrets:
+            return EngineTarget(endpoint=agent.endpoint, serving_secret=secrets[agent.pk])
+    return None
 
 
 def agent_figures_after(endpoint: str, *, after: float) -> dict[str, Any] | None:
@@ -111,17 +127,18 @@ def evaluation_measure(*, rollout_id: int, suite_id: int) -> Measured | None:
             "unknown_metrics",
             f"Suite {suite.name} names metrics no job computes: {', '.join(unknown)}.",
         )
-    endpoint = _ready_endpoint(rollout.candidate_id)
-    if endpoint is None:
+    target = _ready_engine(rollout.candidate_id)
+    if target is None:
         return None
-    baseline_endpoint = _ready_endpoint(rollout.baseline_id) if "agreement" in names else None
-    if "agreement" in names and baseline_endpoint is None:
+    baseline = _ready_engine(rollout.baseline_id) if "agreement" in names else None
+    if "agreement" in names and baseline is None:
         return None
+    endpoint = target.endpoint
     measured = Measured(endpoint=endpoint, details={"endpoint": endpoint})
     figures, details = measured.figures, measured.details
     questions = evaluation.questions()
     prompts = [q.question for q in questions]
-    with httpx.Client() as client:
+    with target.client() as client:
         if "perplexity" in names:
             tokenizer = evaluation.tokenizer_for(
                 str(store.artifact_path(rollout.candidate.artifact_id))
@@ -141,10 +158,11 @@ def evaluation_measure(*, rollout_id: int, suite_id: int) -> Measured | None:
                 figures["exact_match"] = evaluation.exact_match(
                     answers, [q.answer for q in questions]
                 )
-            if baseline_endpoint is not None:
-                baseline_answers = evaluation.greedy_answers(
-                    client=client, endpoint=baseline_endpoint, prompts=prompts
-                )
+            if baseline is not None:
+                with baseline.client() as baseline_client:
+                    baseline_answers = evaluation.greedy_answers(
+                        client=baseline_client, endpoint=baseline.endpoint, prompts=prompts
+                    )
                 details["baseline_answers"] = baseline_answers
                 figures["agreement"] = evaluation.agreement(answers, baseline_answers)
         if names & (evaluation.LATENCY_METRICS | evaluation.ENERGY_METRICS):

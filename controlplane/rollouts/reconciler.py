@@ -4,7 +4,9 @@ Level-triggered: every pass reads the database as it is now and repairs whatever
 (a crash between a transition's commit and its routing write, a lost command, an agent
 that went away), so running it twice, or after any half-done step, is safe. Passes for
 one deployment are serialized by a Redis lock. The table routes only to ready agents:
-state ready, loaded version matching, seen within ROLLOUTS_AGENT_FRESH_S. A revoked
+state ready, loaded version matching, seen within ROLLOUTS_AGENT_FRESH_S, with a load
+of that version accepted or succeeded (each endpoint's serving secret derives from the
+latest). A revoked
 version is never routed nor kept loaded, and an active rollout of one is ended first.
 """
 
@@ -25,6 +27,7 @@ from contracts.routing import (
 )
 from controlplane.core.errors import DomainError
 from controlplane.core.redis_clients import redis_client
+from controlplane.fleet.engine_secrets import serving_secrets
 from controlplane.fleet.models import Agent, AgentCommand, AgentState, CommandKind, CommandStatus
 from controlplane.registry.models import ModelVersion, VersionStatus
 from controlplane.registry.serving import context_length
@@ -55,9 +58,10 @@ class ReconcileReport:
     skipped: str = ""
 
 
-def _is_ready(agent: Agent, version_id: int, fresh_after: Any) -> bool:
+def _is_ready(agent: Agent, version_id: int, fresh_after: Any, secrets: dict[int, str]) -> bool:
     return (
-        agent.state == AgentState.READY
+        agent.pk in secrets  # the gateway could not authenticate to its engine otherwise
+        and agent.state == AgentState.READY
         and agent.loaded_version_id == version_id
         and bool(agent.endpoint)
         and agent.last_seen is not None
@@ -111,16 +115,24 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
     now = timezone.now()
     fresh_after = now - timedelta(seconds=settings.ROLLOUTS_AGENT_FRESH_S)
     agents = list(Agent.objects.all())
+    # Each engine's serving secret, from its agent's load command; the admin secrets are
+    # never published.
+    secrets = serving_secrets(agents)
 
     stable_id = desired.get("stable_version_id") or deployment.stable_version_id
     canary_id = desired.get("canary_version_id")
     weight = int(desired.get("canary_weight") or 0)
     tenants = desired.get("canary_tenants") or []
 
+    def ready_agents(version_id: int) -> list[Agent]:
+        ready = [a for a in agents if _is_ready(a, version_id, fresh_after, secrets)]
+        return sorted(ready, key=lambda agent: agent.endpoint)
+
     def ready_endpoints(version_id: int) -> list[str]:
-        return sorted(
-            agent.endpoint for agent in agents if _is_ready(agent, version_id, fresh_after)
-        )
+        return [agent.endpoint for agent in ready_agents(version_id)]
+
+    def endpoint_secrets(version_id: int) -> dict[str, str]:
+        return {agent.endpoint: secrets[agent.pk] for agent in ready_agents(version_id)}
 
     # Fast path: every agent that served the canary is lost.
     if canary_id is not None and weight > 0:
@@ -166,6 +178,7 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
                 weight=max(100 - shared, 0) or 100,
                 endpoints=tuple(stable_endpoints),
                 max_model_len=context_lengths.get(stable_id, 0),
+                endpoint_secrets=endpoint_secrets(stable_id),
             )
         )
     if canary_id is not None and effective > 0:
@@ -176,6 +189,7 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
                 weight=shared,
                 endpoints=tuple(canary_endpoints),
                 max_model_len=context_lengths.get(canary_id, 0),
+                endpoint_secrets=endpoint_secrets(canary_id),
             )
         )
     tenant_weights = (

@@ -37,7 +37,8 @@ def routing_table_publish(
     """Write the live routing table of a deployment and announce the change.
 
     `versions`: each a VersionRoute or a mapping with version_id, label, weight (0..100),
-    endpoints (base URLs of ready agents) and max_model_len (0 or absent: not known).
+    endpoints (base URLs of ready agents), endpoint_secrets ({endpoint: its engine's
+    serving secret}) and max_model_len (0 or absent: not known).
     `tenant_weights`: {tenant slug: {version_id: weight}} for the tenants of a
     tenant-scoped stage.
     """
@@ -50,6 +51,7 @@ def routing_table_publish(
             weight=item["weight"],
             endpoints=tuple(item.get("endpoints", ())),
             max_model_len=item.get("max_model_len", 0),
+            endpoint_secrets=dict(item.get("endpoint_secrets", {})),
         )
         for item in versions
     ]

@@ -31,6 +31,7 @@ from contracts.streams import (
 )
 from controlplane.accounts.services import access_token_create
 from controlplane.core.roles import Role
+from controlplane.fleet.engine_secrets import engine_secrets_payload
 from controlplane.fleet.models import Agent, AgentCommand, AgentSample
 from controlplane.registry import services as registry_services
 from controlplane.registry import store
@@ -77,9 +78,17 @@ def is_listening(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
-def ask_paris(endpoint: str) -> str:
+def engine_headers(agent: str, load_command_id: str, *, is_admin: bool = False) -> dict[str, str]:
+    """The bearer header the engine started by this load command requires."""
+    secrets = engine_secrets_payload(agent_name=agent, command_id=load_command_id)
+    secret = secrets["admin_secret" if is_admin else "serving_secret"]
+    return {"Authorization": f"Bearer {secret}"}
+
+
+def ask_paris(endpoint: str, headers: dict[str, str]) -> str:
     response = httpx.post(
         f"{endpoint}/v1/chat/completions",
+        headers=headers,
         json={
             "model": "smol",
             "messages": [{"role": "user", "content": "What is the capital of France?"}],
@@ -282,7 +291,10 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
         endpoint = f"http://127.0.0.1:{port}"
         assert row.endpoint == endpoint
         assert row.loaded_digest == stable.artifact_id
-        assert ask_paris(endpoint) == "The capital of France is Paris."
+        serving = engine_headers("agent-a", load["command_id"])
+        # The engine takes nothing without its secret.
+        assert httpx.get(f"{endpoint}/health", timeout=5).status_code == 401
+        assert ask_paris(endpoint, serving) == "The capital of France is Paris."
         # The request shows up in the figures and the rollups.
         wait_until(
             lambda: agent_row("agent-a").figures["generated_tokens_total"] >= 8,
@@ -303,7 +315,7 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
             f"artifact digest mismatch: expected sha256:{candidate.artifact_id}"
         )
         assert not is_listening(port + 1)
-        assert ask_paris(endpoint) == "The capital of France is Paris."
+        assert ask_paris(endpoint, serving) == "The capital of France is Paris."
         wait_until(lambda: agent_row("agent-a").figures["requests_ok_total"] == 2, timeout=10)
         row = agent_row("agent-a")
         assert (row.state, row.endpoint, row.loaded_version_id) == ("ready", endpoint, stable.pk)
@@ -317,14 +329,15 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
             "succeeded",
             f"not drained: serving version {stable.pk}, the drain named {candidate.pk}",
         )
-        assert ask_paris(endpoint) == "The capital of France is Paris."
+        assert ask_paris(endpoint, serving) == "The capital of France is Paris."
         assert agent_row("agent-a").state == "ready"
 
         # Fault injection reaches the engine; a redelivered command is answered, not rerun.
         faults = fleet.command("agent-a", kind="faults", latency_ms_per_token=5, error_rate=0.0)
         wait_until(lambda: is_final(faults["command_id"]), timeout=30, message=logs(agent_log))
         assert command_row(faults["command_id"]).status == "succeeded"
-        stats = httpx.get(f"{endpoint}/admin/stats", timeout=5).json()
+        admin = engine_headers("agent-a", load["command_id"], is_admin=True)
+        stats = httpx.get(f"{endpoint}/admin/stats", headers=admin, timeout=5).json()
         assert stats["faults"] == {"latency_ms_per_token": 5.0, "error_rate": 0.0}
         [(_, fields)] = [
             entry
@@ -355,7 +368,8 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
         )
         assert "restarting the engine for version" in agent_log.read_text()
         restarted = agent_row("agent-a").endpoint
-        assert ask_paris(restarted) == "The capital of France is Paris."
+        # Restarted from the same load command: the same secrets.
+        assert ask_paris(restarted, serving) == "The capital of France is Paris."
 
         # Killed outright: lost within 5 s, and its engine does not outlive it.
         agent.send_signal(signal.SIGKILL)
@@ -428,7 +442,8 @@ def test_redis_restart_does_not_stop_ingest_or_agents(fleet, live_server, tmp_pa
             # Redis goes away (and comes back empty): the agent keeps serving meanwhile.
             stop_process(redis_server)
             seq_before = agent_row("agent-r").last_seq
-            assert ask_paris(endpoint) == "The capital of France is Paris."
+            serving = engine_headers("agent-r", load["command_id"])
+            assert ask_paris(endpoint, serving) == "The capital of France is Paris."
             time.sleep(2)
             with running(redis_args, tmp_path / "redis-2.log"):
                 wait_until(lambda: _pings(client), timeout=20)

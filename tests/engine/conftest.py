@@ -17,6 +17,8 @@ import httpx
 import openai
 import pytest
 
+from engine.config import EngineSecrets
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -95,21 +97,43 @@ def tiny_llama_dim32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+def new_secrets() -> EngineSecrets:
+    return EngineSecrets.generate()
+
+
+def bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
 @dataclass
 class EngineServer:
     process: subprocess.Popen[bytes]
     base_url: str
     log_path: Path
+    secrets: EngineSecrets
+
+    @property
+    def serving(self) -> dict[str, str]:
+        """Headers that open /v1/*, /health and /metrics."""
+        return bearer(self.secrets.serving)
+
+    @property
+    def admin(self) -> dict[str, str]:
+        """Headers that open /admin/*."""
+        return bearer(self.secrets.admin)
 
     @property
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0)
+        # The OpenAI client sends its API key as the bearer secret.
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1", api_key=self.secrets.serving, max_retries=0
+        )
 
     def http(self) -> httpx.Client:
-        return httpx.Client(base_url=self.base_url, timeout=600)
+        return httpx.Client(base_url=self.base_url, timeout=600, headers=self.serving)
 
     def stats(self) -> dict:
-        return httpx.get(f"{self.base_url}/admin/stats", timeout=10).json()
+        return httpx.get(f"{self.base_url}/admin/stats", headers=self.admin, timeout=10).json()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -118,21 +142,23 @@ class EngineServer:
 def start_server(args: list[str], log_path: Path, timeout: float = 180) -> EngineServer:
     port = free_port()
     log = open(log_path, "wb")  # noqa: SIM115 - lives as long as the process
+    engine_secrets = new_secrets()
     process = subprocess.Popen(
         [sys.executable, "-m", "engine", "serve", "--port", str(port), "--threads", "1", *args],
         cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **engine_secrets.environment()},
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    server = EngineServer(process, f"http://127.0.0.1:{port}", log_path)
+    server = EngineServer(process, f"http://127.0.0.1:{port}", log_path, engine_secrets)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise AssertionError(f"engine exited with {process.returncode}:\n{server.log()}")
         try:
-            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+            health = httpx.get(f"{server.base_url}/health", headers=server.serving, timeout=2)
+            if health.status_code == 200:
                 return server
         except httpx.TransportError:
             pass

@@ -10,6 +10,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.engine.conftest import bearer, new_secrets
+
 
 def wait_for(predicate, timeout: float = 60, message: str = "") -> None:
     deadline = time.monotonic() + timeout
@@ -26,7 +28,7 @@ def test_models_lists_served_name(tiny_server):
 
 
 def test_health_ready(tiny_server):
-    response = httpx.get(f"{tiny_server.base_url}/health")
+    response = httpx.get(f"{tiny_server.base_url}/health", headers=tiny_server.serving)
     assert (response.status_code, response.json()) == (200, {"status": "ready"})
 
 
@@ -45,6 +47,7 @@ def test_prompt_plus_max_tokens_over_limit_is_400(tiny_server):
     response = httpx.post(
         f"{tiny_server.base_url}/v1/completions",
         json={"model": "tiny", "prompt": [5] * 200, "max_tokens": 100},
+        headers=tiny_server.serving,
     )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
@@ -53,9 +56,8 @@ def test_prompt_plus_max_tokens_over_limit_is_400(tiny_server):
 def test_a_token_budget_caps_the_completion(tiny_server):
     # The gateway reserves a request's most tokens; the engine never goes past them.
     body = {"model": "tiny", "prompt": [5] * 10, "max_tokens": 50, "ignore_eos": True}
-    response = httpx.post(
-        f"{tiny_server.base_url}/v1/completions", json=body, headers={"x-token-budget": "16"}
-    )
+    url, serving = f"{tiny_server.base_url}/v1/completions", tiny_server.serving
+    response = httpx.post(url, json=body, headers={**serving, "x-token-budget": "16"})
     assert response.status_code == 200
     answer = response.json()
     usage = answer["usage"]
@@ -65,9 +67,7 @@ def test_a_token_budget_caps_the_completion(tiny_server):
         16,
     )
     assert answer["choices"][0]["finish_reason"] == "length"
-    roomy = httpx.post(
-        f"{tiny_server.base_url}/v1/completions", json=body, headers={"x-token-budget": "60"}
-    )
+    roomy = httpx.post(url, json=body, headers={**serving, "x-token-budget": "60"})
     assert roomy.json()["usage"]["completion_tokens"] == 50
 
 
@@ -79,7 +79,7 @@ def test_a_prompt_beyond_its_token_budget_is_refused(tiny_server, budget, code):
     response = httpx.post(
         f"{tiny_server.base_url}/v1/completions",
         json={"model": "tiny", "prompt": [5] * 10, "max_tokens": 5},
-        headers={"x-token-budget": budget},
+        headers={**tiny_server.serving, "x-token-budget": budget},
     )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == code
@@ -110,7 +110,11 @@ def test_a_prompt_beyond_its_token_budget_is_refused(tiny_server, budget, code):
     ],
 )
 def test_bad_completion_parameters_name_the_field(tiny_server, body, param):
-    response = httpx.post(f"{tiny_server.base_url}/v1/completions", json={"model": "tiny", **body})
+    response = httpx.post(
+        f"{tiny_server.base_url}/v1/completions",
+        json={"model": "tiny", **body},
+        headers=tiny_server.serving,
+    )
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == param
@@ -122,6 +126,7 @@ def test_bad_chat_messages_name_the_field(tiny_server):
     response = httpx.post(
         f"{tiny_server.base_url}/v1/chat/completions",
         json={"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]},
+        headers=tiny_server.serving,
     )
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "messages[0].role"
@@ -142,7 +147,9 @@ def test_bad_chat_messages_name_the_field(tiny_server):
 )
 def test_chat_fields_the_engine_does_not_implement_are_refused(tiny_server, extra, param, code):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **extra}
-    response = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json=body)
+    response = httpx.post(
+        f"{tiny_server.base_url}/v1/chat/completions", json=body, headers=tiny_server.serving
+    )
     assert response.status_code == 400
     assert (response.json()["error"]["param"], response.json()["error"]["code"]) == (param, code)
 
@@ -151,6 +158,7 @@ def test_an_unknown_model_is_404(tiny_server):
     response = httpx.post(
         f"{tiny_server.base_url}/v1/completions",
         json={"model": "not-served-here", "prompt": "hi", "max_tokens": 1},
+        headers=tiny_server.serving,
     )
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "model_not_found"
@@ -165,20 +173,20 @@ def test_malformed_json_is_400(tiny_server, content):
     response = httpx.post(
         f"{tiny_server.base_url}/v1/completions",
         content=content,
-        headers={"content-type": "application/json"},
+        headers={**tiny_server.serving, "content-type": "application/json"},
     )
     assert response.status_code == 400
     assert response.json()["error"]["code"] in {"invalid_json", "invalid_value"}
 
 
 def test_unknown_route_is_404(tiny_server):
-    response = httpx.get(f"{tiny_server.base_url}/v2/nothing")
+    response = httpx.get(f"{tiny_server.base_url}/v2/nothing", headers=tiny_server.serving)
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "not_found"
 
 
 def metric_values(server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"{server.base_url}/metrics").text
+    text = httpx.get(f"{server.base_url}/metrics", headers=server.serving).text
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)
@@ -235,12 +243,13 @@ def test_admin_stats_shape(tiny_server, tiny_llama):
 
 
 def test_fault_injection_at_run_time(narrow_server):
-    url = narrow_server.base_url
-    bad = httpx.post(f"{url}/admin/faults", json={"error_rate": 1.5})
+    url, admin = narrow_server.base_url, narrow_server.admin
+    bad = httpx.post(f"{url}/admin/faults", json={"error_rate": 1.5}, headers=admin)
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "error_rate"
-    assert httpx.post(f"{url}/admin/faults", json={"latency_ms_per_token": -1}).status_code == 400
-    response = httpx.post(f"{url}/admin/faults", json={"error_rate": 1.0})
+    negative = {"latency_ms_per_token": -1}
+    assert httpx.post(f"{url}/admin/faults", json=negative, headers=admin).status_code == 400
+    response = httpx.post(f"{url}/admin/faults", json={"error_rate": 1.0}, headers=admin)
     assert response.json() == {"latency_ms_per_token": 20.0, "error_rate": 1.0}
     try:
         failed_before = narrow_server.stats()["requests_failed_total"]
@@ -256,7 +265,7 @@ def test_fault_injection_at_run_time(narrow_server):
         assert stats["requests_failed_total"] == failed_before + 1
         assert stats["recent"][-1]["status"] == "error"
     finally:
-        httpx.post(f"{url}/admin/faults", json={"error_rate": 0.0})
+        httpx.post(f"{url}/admin/faults", json={"error_rate": 0.0}, headers=admin)
     assert narrow_server.stats()["faults"] == {"latency_ms_per_token": 20.0, "error_rate": 0.0}
 
 
@@ -267,7 +276,9 @@ def test_full_queue_is_429_with_retry_after(narrow_server):
     threads = [
         threading.Thread(
             target=lambda: results.append(
-                httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code
+                httpx.post(
+                    f"{url}/v1/completions", json=body, headers=narrow_server.serving, timeout=120
+                ).status_code
             )
         )
         for _ in range(2)
@@ -276,7 +287,7 @@ def test_full_queue_is_429_with_retry_after(narrow_server):
     wait_for(lambda: narrow_server.stats()["running"] == 1)
     threads[1].start()
     wait_for(lambda: narrow_server.stats()["waiting"] == 1)
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    response = httpx.post(f"{url}/v1/completions", json=body, headers=narrow_server.serving)
     assert response.status_code == 429
     assert response.headers["retry-after"] == "1"
     assert response.json()["error"]["code"] == "queue_full"
@@ -295,7 +306,7 @@ def test_client_disconnect_aborts_and_frees_blocks(narrow_server):
         "stream": True,
     }
     with (
-        httpx.Client(timeout=60) as client,
+        httpx.Client(timeout=60, headers=narrow_server.serving) as client,
         client.stream("POST", f"{url}/v1/completions", json=body) as response,
     ):
         assert response.status_code == 200
@@ -316,16 +327,21 @@ def test_health_and_generation_are_503_while_loading(tiny_llama):
     from engine.config import EngineConfig
     from engine.server import EngineApp
 
-    app = EngineApp(EngineConfig(model=str(tiny_llama)))  # lifespan not run: still loading
+    engine_secrets = new_secrets()
+    # lifespan not run: still loading
+    app = EngineApp(EngineConfig(model=str(tiny_llama)), secrets=engine_secrets)
+    serving, admin = bearer(engine_secrets.serving), bearer(engine_secrets.admin)
 
     async def calls() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://engine") as client:
-            health = await client.get("/health")
+            health = await client.get("/health", headers=serving)
             chat = await client.post(
-                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}]},
+                headers=serving,
             )
-            stats = await client.get("/admin/stats")
+            stats = await client.get("/admin/stats", headers=admin)
             return health, chat, stats
 
     health, chat, stats = asyncio.run(calls())

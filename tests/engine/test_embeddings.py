@@ -52,9 +52,12 @@ def test_embedding_only_server(tmp_path: Path):
         chat = httpx.post(
             f"{server.base_url}/v1/chat/completions",
             json={"messages": [{"role": "user", "content": "hi"}]},
+            headers=server.serving,
         )
         assert chat.status_code == 404
-        bad = httpx.post(f"{server.base_url}/v1/embeddings", json={"input": [1, 2]})
+        bad = httpx.post(
+            f"{server.base_url}/v1/embeddings", json={"input": [1, 2]}, headers=server.serving
+        )
         assert (bad.status_code, bad.json()["error"]["param"]) == (400, "input")
     finally:
         stop_server(server)

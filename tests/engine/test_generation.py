@@ -46,7 +46,9 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 
 def complete(server: EngineServer, prompt: str | list[int], **extra) -> dict:
     body = {"model": "tiny", "prompt": prompt, "return_token_ids": True, **extra}
-    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+    response = httpx.post(
+        f"{server.base_url}/v1/completions", json=body, headers=server.serving, timeout=120
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -74,7 +76,7 @@ def test_prefix_cache_reuses_blocks_and_keeps_output(tiny_server, reference_mode
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
     assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]
     assert second["choices"][0]["token_ids"] == hf_greedy(reference_model, prompt, 8)
-    metrics = httpx.get(f"{tiny_server.base_url}/metrics").text
+    metrics = httpx.get(f"{tiny_server.base_url}/metrics", headers=tiny_server.serving).text
     hits = [
         line for line in metrics.splitlines() if line.startswith("engine:prefix_cache_hits_total")
     ]

@@ -16,6 +16,10 @@ import pytest
 from engine import sampler
 from engine.config import EngineConfig
 from engine.server import EngineApp
+from tests.engine.conftest import bearer, new_secrets
+
+SECRETS = new_secrets()
+SERVING = bearer(SECRETS.serving)
 
 INNOCENT = {
     "model": "tiny",
@@ -37,7 +41,8 @@ def app(tiny_llama: Path) -> Iterator[EngineApp]:
             num_blocks=128,
             device="cpu",
             threads=1,
-        )
+        ),
+        secrets=SECRETS,
     )
     engine_app.start_loading()
     engine_app.wait_loaded(120)
@@ -48,7 +53,9 @@ def app(tiny_llama: Path) -> Iterator[EngineApp]:
 
 async def _post_all(app: EngineApp, bodies: list[dict]) -> list[httpx.Response]:
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=60) as c:
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://engine", timeout=60, headers=SERVING
+    ) as c:
         return list(
             await asyncio.gather(*(c.post("/v1/completions", json=body) for body in bodies))
         )
@@ -62,7 +69,8 @@ def get(app: EngineApp, path: str) -> httpx.Response:
     async def call() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://engine") as client:
-            return await client.get(path)
+            is_admin = path.startswith("/admin/")
+            return await client.get(path, headers=bearer(SECRETS.admin) if is_admin else SERVING)
 
     return asyncio.run(call())
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -14,7 +15,9 @@ import httpx
 import pytest
 import torch
 
-from tests.engine.conftest import REPO_ROOT, start_server, stop_server
+from tests.engine.conftest import REPO_ROOT, new_secrets, start_server, stop_server
+
+SECRETS = new_secrets()
 
 
 def wait_for(predicate, timeout: float = 60) -> None:
@@ -39,20 +42,20 @@ def test_drain_finishes_in_flight_refuses_new_and_exits(tiny_llama: Path, tmp_pa
         results: list[httpx.Response] = []
         worker = threading.Thread(
             target=lambda: results.append(
-                httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+                httpx.post(f"{url}/v1/completions", json=body, headers=server.serving, timeout=60)
             )
         )
         worker.start()
         wait_for(lambda: server.stats()["running"] == 1)
         if trigger == "admin":
-            assert httpx.post(f"{url}/admin/drain").status_code == 202
+            assert httpx.post(f"{url}/admin/drain", headers=server.admin).status_code == 202
         else:
             server.process.send_signal(signal.SIGTERM)
             wait_for(lambda: server.stats()["state"] == "draining")
-        refused = httpx.post(f"{url}/v1/completions", json=body)
+        refused = httpx.post(f"{url}/v1/completions", json=body, headers=server.serving)
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "draining"
-        health = httpx.get(f"{url}/health")
+        health = httpx.get(f"{url}/health", headers=server.serving)
         assert (health.status_code, health.json()) == (503, {"status": "draining"})
         worker.join(timeout=60)
         assert results[0].status_code == 200
@@ -66,6 +69,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "engine", "serve", *args],
         cwd=REPO_ROOT,
+        env={**os.environ, **SECRETS.environment()},
         capture_output=True,
         text=True,
         timeout=60,
@@ -105,13 +109,15 @@ def test_preemption_by_recompute_loses_nothing(tiny_llama: Path, tmp_path: Path)
         def run(prompt: list[int]) -> dict:
             body = {"prompt": prompt, "max_tokens": 60, "temperature": 0, "ignore_eos": True,
                     "return_token_ids": True}  # fmt: skip
-            response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=600)
+            response = httpx.post(
+                f"{server.base_url}/v1/completions", json=body, headers=server.serving, timeout=600
+            )
             assert response.status_code == 200, response.text
             return response.json()
 
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(run, prompts))
-        metrics = httpx.get(f"{server.base_url}/metrics").text
+        metrics = httpx.get(f"{server.base_url}/metrics", headers=server.serving).text
         preemptions = next(
             float(line.split()[-1])
             for line in metrics.splitlines()

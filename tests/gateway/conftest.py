@@ -1,7 +1,8 @@
 """Gateway fixtures: real engines, real gateway processes (uvicorn), real Redis and PostgreSQL.
 
 Two `python -m engine serve --model smollm2 --threads 1` processes start once per session
-(they are the agents); two gateway processes (`controlplane.asgi`, the /v1/ mount) start
+(they are the agents, each with its own serving and admin secrets, `engine_secrets`);
+two gateway processes (`controlplane.asgi`, the /v1/ mount) start
 once per session too. Tests commit their rows (`transactional_db`) so the gateways, which
 are other processes, can read them.
 """
@@ -37,6 +38,7 @@ from controlplane.telemetry.requests import RequestsStreamHandler
 from controlplane.telemetry.streams import StreamIngestor
 from controlplane.tenants.models import Tenant
 from controlplane.tenants.services import api_key_create, tenant_create
+from engine.config import EngineSecrets
 from tests.conftest import PYTHON, start_process, stop_process, wait_until
 
 SERVING_CONFIG = {
@@ -54,9 +56,29 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# base URL -> the secrets of the engine serving there (filled by the `engines` fixture)
+ENGINE_SECRETS: dict[str, EngineSecrets] = {}
+
+
+def endpoint_secrets(endpoints: list[str]) -> dict[str, str]:
+    """A routing table's `endpoint_secrets` for these test engines: their serving secrets."""
+    return {e: ENGINE_SECRETS[e].serving for e in endpoints if e in ENGINE_SECRETS}
+
+
+def serving_headers(endpoint: str) -> dict[str, str]:
+    """What opens the engine's /v1/* routes (as the gateway does)."""
+    return {"Authorization": f"Bearer {ENGINE_SECRETS[endpoint].serving}"}
+
+
+def admin_headers(endpoint: str) -> dict[str, str]:
+    """What opens the engine's /admin/* routes (as the agent does)."""
+    return {"Authorization": f"Bearer {ENGINE_SECRETS[endpoint].admin}"}
+
+
 def _is_ready(url: str) -> bool:
     try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        health = httpx.get(f"{url}/health", headers=serving_headers(url), timeout=1)
+        return health.status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -69,6 +91,8 @@ def engines(tmp_path_factory) -> Iterator[list[str]]:
     urls = []
     for index in range(2):
         port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        ENGINE_SECRETS[url] = EngineSecrets.generate()
         processes.append(
             start_process(
                 [
@@ -92,9 +116,10 @@ def engines(tmp_path_factory) -> Iterator[list[str]]:
                     "warning",
                 ],
                 logs / f"engine-{index}.log",
+                **ENGINE_SECRETS[url].environment(),
             )
         )
-        urls.append(f"http://127.0.0.1:{port}")
+        urls.append(url)
     try:
         for url, process in zip(urls, processes, strict=True):
             wait_until(
@@ -252,6 +277,7 @@ def route_wholly(version: ModelVersion, endpoint: str, client: redis.Redis | Non
                 "label": version.label,
                 "weight": 100,
                 "endpoints": [endpoint],
+                "endpoint_secrets": endpoint_secrets([endpoint]),
                 "max_model_len": version.serving_config["max_model_len"],
             }
         ],

@@ -17,7 +17,9 @@ from controlplane.rollouts.routing import routing_table_publish
 from controlplane.telemetry.models import RequestSample
 from controlplane.tenants.models import UsageRecord
 from tests.gateway.conftest import (
+    admin_headers,
     client_for,
+    endpoint_secrets,
     error_body,
     ingest_all,
     make_setup,
@@ -33,6 +35,7 @@ def set_faults(engine: str, error_rate: float) -> None:
     response = httpx.post(
         f"{engine}/admin/faults",
         json={"latency_ms_per_token": 0, "error_rate": error_rate},
+        headers=admin_headers(engine),
         timeout=10,
     )
     assert response.status_code == 200, response.text
@@ -60,8 +63,20 @@ def test_tenant_errors_spare_a_healthy_canary_and_server_faults_roll_it_back(
         deployment="smollm2",
         model="smollm2",
         versions=[
-            {"version_id": stable.pk, "label": "v1", "weight": 50, "endpoints": [engines[0]]},
-            {"version_id": candidate.pk, "label": "v2", "weight": 50, "endpoints": [engines[1]]},
+            {
+                "version_id": stable.pk,
+                "label": "v1",
+                "weight": 50,
+                "endpoints": [engines[0]],
+                "endpoint_secrets": endpoint_secrets([engines[0]]),
+            },
+            {
+                "version_id": candidate.pk,
+                "label": "v2",
+                "weight": 50,
+                "endpoints": [engines[1]],
+                "endpoint_secrets": endpoint_secrets([engines[1]]),
+            },
         ],
         # this tenant's every request on the canary (a tenant-scoped stage's routing)
         tenant_weights={hostile.tenant.slug: {stable.pk: 0, candidate.pk: 100}},

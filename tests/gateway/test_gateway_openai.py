@@ -15,6 +15,7 @@ from controlplane.tenants.models import UsageRecord
 from tests.conftest import wait_until
 from tests.gateway.conftest import (
     client_for,
+    endpoint_secrets,
     error_body,
     ingest_all,
     make_setup,
@@ -42,6 +43,7 @@ def publish(setup, weights, endpoints, **options):
                 "label": version.label,
                 "weight": weight,
                 "endpoints": endpoint_list,
+                "endpoint_secrets": endpoint_secrets(endpoint_list),
                 "max_model_len": version.serving_config["max_model_len"],
             }
             for version, weight, endpoint_list in zip(
@@ -169,6 +171,7 @@ def test_error_statuses_in_openai_shape(stores, engines, gateways) -> None:
                 "label": "v1",
                 "weight": 100,
                 "endpoints": [engines[1]],
+                "endpoint_secrets": endpoint_secrets([engines[1]]),
             }
         ],
     )

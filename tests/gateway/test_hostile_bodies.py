@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.gateway.conftest import make_setup, route_wholly, wait_for_model
+from tests.gateway.conftest import make_setup, route_wholly, serving_headers, wait_for_model
 
 pytestmark = pytest.mark.slow
 
@@ -181,11 +181,11 @@ def test_hostile_chat_bodies_get_no_5xx_and_hurt_no_innocent_stream(
     wait_for_model(gateway, innocent.raw_key, "smollm2")
     innocent_targets = [
         (f"{gateway.url}", {"Authorization": f"Bearer {innocent.raw_key}"}),
-        (engines[0], {}),
+        (engines[0], serving_headers(engines[0])),
     ]
     hostile_targets = [
         (f"{gateway.url}", {"Authorization": f"Bearer {hostile.raw_key}"}),
-        (engines[0], {}),
+        (engines[0], serving_headers(engines[0])),
     ]
     bad_answers: list[str] = []
     statuses: list[int] = []
@@ -223,7 +223,7 @@ def test_json_nested_past_the_recursion_limit_is_a_400_everywhere(
     nested = b"[" * 100_000 + b"]" * 100_000
     for url, headers in (
         (gateways[0].url, {"Authorization": f"Bearer {setup.raw_key}"}),
-        (engines[0], {}),
+        (engines[0], serving_headers(engines[0])),
     ):
         response = httpx.post(
             f"{url}/v1/chat/completions",

@@ -12,7 +12,7 @@ from controlplane.rollouts.routing import routing_table_publish
 from controlplane.tenants.models import ApiKey
 from controlplane.tenants.services import api_key_touch
 from tests.conftest import wait_until
-from tests.gateway.conftest import client_for, make_setup, wait_for_model
+from tests.gateway.conftest import client_for, endpoint_secrets, make_setup, wait_for_model
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hi"}]
 
@@ -31,7 +31,7 @@ def test_the_gateway_records_when_a_key_was_last_used(stores, engines, gateways)
         model="smollm2",
         versions=[
             {"version_id": setup.versions[0].pk, "label": "v1", "weight": 100,
-             "endpoints": [engines[0]]},
+             "endpoints": [engines[0]], "endpoint_secrets": endpoint_secrets([engines[0]])},
         ],
     )  # fmt: skip
     before = timezone.now()

@@ -1,12 +1,14 @@
 """A short real run against the serving engine: loadgen's counts against the engine's own."""
 
 import json
+import os
 import subprocess
 import sys
 
 import httpx
 import pytest
 
+from engine.config import EngineSecrets
 from loadgen.energy import parse_prometheus
 from tests.conftest import start_process, stop_process, wait_until
 
@@ -14,16 +16,20 @@ from .openai_server import free_port
 
 pytestmark = pytest.mark.slow
 
+SECRETS = EngineSecrets.generate()
+SERVING = {"Authorization": f"Bearer {SECRETS.serving}"}
+
 
 def generation_tokens(port: int) -> float:
     # Labelled counters appear once counted: absent means zero.
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=SERVING, timeout=10).text
     return parse_prometheus(text).get("engine:generation_tokens_total", 0.0)
 
 
 def is_healthy(port: int) -> bool:
     try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+        health = httpx.get(f"http://127.0.0.1:{port}/health", headers=SERVING, timeout=2)
+        return health.status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -34,6 +40,7 @@ def test_short_run_against_the_engine(tmp_path):
         [sys.executable, "-m", "engine", "serve", "--model", "smollm2", "--dtype", "bfloat16",
          "--threads", "1", "--port", str(port)],
         tmp_path / "engine.log",
+        **SECRETS.environment(),
     )  # fmt: skip
     try:
         wait_until(lambda: is_healthy(port), timeout=180, interval=0.5, message="engine not up")
@@ -46,6 +53,7 @@ def test_short_run_against_the_engine(tmp_path):
              "--metrics-url", f"http://127.0.0.1:{port}/metrics",
              "--out", str(out), "--no-progress"],
             capture_output=True, text=True, timeout=120,
+            env={**os.environ, "LOADGEN_API_KEY": SECRETS.serving},  # the engine's secret
         )  # fmt: skip
         assert run.returncode == 0, run.stderr
         after = generation_tokens(port)

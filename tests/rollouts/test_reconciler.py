@@ -1,24 +1,31 @@
 """The reconciler writes the gateway's routing table from the database, ready agents only."""
 
+import uuid
 from datetime import timedelta
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.test import override_settings
 from django.utils import timezone
 
 from contracts.routing import parse_routing_table, routing_key
-from contracts.streams import CommandKind, commands_stream, parse_command
+from contracts.streams import CommandKind, commands_stream, parse_command, parse_load_payload
 from controlplane.core.errors import DomainError
+from controlplane.fleet.engine_secrets import engine_secrets_payload
 from controlplane.fleet.models import Agent, AgentCommand
+from controlplane.registry.models import ModelVersion, SigningKey
 from controlplane.rollouts import deployments, reconciler, transitions
 from controlplane.rollouts.models import Deployment, Rollout
+from tests.api.support import Signer
 from tests.rollouts.conftest import running_rollout
 
 
 def agent(name: str, version, state: str = "ready", seen_ago_s: float = 1.0) -> Agent:
+    """An agent serving `version` since a load that succeeded an hour ago (its engine's
+    secrets derive from that command)."""
     now = timezone.now()
-    return Agent.objects.create(
+    created = Agent.objects.create(
         name=name,
         host="localhost",
         endpoint=f"http://127.0.0.1:{9000 + Agent.objects.count()}",
@@ -27,6 +34,30 @@ def agent(name: str, version, state: str = "ready", seen_ago_s: float = 1.0) -> 
         last_seen=now - timedelta(seconds=seen_ago_s),
         registered_at=now,
     )
+    load(created, version, finished_ago_s=3600)
+    return created
+
+
+def load(
+    on: Agent, version, *, finished_ago_s: float | None, status: str = "succeeded"
+) -> AgentCommand:
+    """A load command, created now (after the ones before it); None: not finished."""
+    return AgentCommand.objects.create(
+        command_id=uuid.uuid4().hex,
+        agent=on,
+        kind="load",
+        version=version,
+        status=status,
+        finished_at=None
+        if finished_ago_s is None
+        else timezone.now() - timedelta(seconds=finished_ago_s),
+    )
+
+
+def secrets_of(command: AgentCommand) -> tuple[str, str]:
+    """(serving, admin) as the engine started for this load command requires them."""
+    payload = engine_secrets_payload(agent_name=command.agent.name, command_id=command.command_id)
+    return payload["serving_secret"], payload["admin_secret"]
 
 
 def table(redis_client, name="smollm2"):
@@ -171,3 +202,73 @@ def test_an_unneeded_version_is_drained_by_name_unless_its_row_may_be_stale(
     command = parse_command(fields)
     # The drain names the version it means; an agent serving another one keeps it.
     assert (command.kind, command.payload) == (CommandKind.DRAIN, {"version_id": old.pk})
+
+
+def test_each_endpoint_carries_its_engines_serving_secret_and_never_the_admin_one(
+    deployment, versions, redis_client
+) -> None:
+    stable, candidate = versions
+    gpu0 = agent("gpu-0", stable)
+    gpu1 = agent("gpu-1", stable)
+    first = AgentCommand.objects.get(agent=gpu0)
+    # gpu-0 loaded the stable version again since (a new engine, new secrets); a later
+    # load that failed, and a load of another version, leave its engine's secret alone.
+    newer = load(gpu0, stable, finished_ago_s=600)
+    load(gpu0, stable, finished_ago_s=300, status="failed")
+    load(gpu0, candidate, finished_ago_s=1200)
+    # gpu-1 reports the engine of a load whose result is not in yet (it follows the old
+    # engine's drain): that load's secret.
+    in_flight = load(gpu1, stable, finished_ago_s=None, status="accepted")
+    # gpu-2 is ready but no load of its version is recorded: its engine's secret is unknown.
+    unknown = agent("gpu-2", stable)
+    AgentCommand.objects.filter(agent=unknown).delete()
+
+    reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
+    raw = redis_client.get(routing_key("smollm2"))
+    [route] = table(redis_client).versions
+    assert route.endpoints == (gpu0.endpoint, gpu1.endpoint)
+    assert dict(route.endpoint_secrets) == {
+        gpu0.endpoint: secrets_of(newer)[0],
+        gpu1.endpoint: secrets_of(in_flight)[0],
+    }
+    for command in AgentCommand.objects.filter(kind="load"):
+        serving, admin = secrets_of(command)
+        assert admin not in raw
+        assert (serving in raw) == (command.pk in {newer.pk, in_flight.pk})
+    assert secrets_of(first)[0] not in raw
+    assert unknown.endpoint not in raw
+
+
+def test_a_load_command_carries_the_secrets_only_on_the_stream(
+    deployment, versions, redis_client
+) -> None:
+    stable, candidate = versions
+    agent("gpu-0", stable)
+    spare = Agent.objects.create(
+        name="gpu-1",
+        host="localhost",
+        endpoint="http://127.0.0.1:9001",
+        state="idle",
+        last_seen=timezone.now(),
+        registered_at=timezone.now(),
+    )
+    signer = Signer("release-key", Ed25519PrivateKey.generate())
+    key = SigningKey.objects.create(
+        key_id=signer.key_id, public_key=signer.public_key_b64, is_trusted=True
+    )
+    ModelVersion.objects.filter(pk=candidate.pk).update(
+        signature=signer.sign(candidate.artifact_id, candidate.serving_config), signing_key=key
+    )
+    Deployment.objects.filter(pk=deployment.pk).update(
+        desired_routing={**deployment.desired_routing, "preload_version_ids": [candidate.pk]}
+    )
+    report = reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
+    assert report.loads == [("gpu-1", candidate.pk)]
+    [(_, fields)] = redis_client.xrange(commands_stream("gpu-1"))
+    wire = parse_command(fields)
+    command = AgentCommand.objects.get(agent=spare)
+    serving, admin = secrets_of(command)
+    assert (wire.payload["serving_secret"], wire.payload["admin_secret"]) == (serving, admin)
+    assert parse_load_payload(wire.payload).serving_secret == serving
+    # The recorded payload (which the API shows) holds neither.
+    assert set(wire.payload) - set(command.payload) == {"serving_secret", "admin_secret"}
