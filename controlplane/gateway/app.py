@@ -53,7 +53,7 @@ from controlplane.gateway.recorder import (
     keys_touch,
     spooled_entries_write,
 )
-from controlplane.gateway.relay import Relay
+from controlplane.gateway.relay import AgentRequest, Relay
 from controlplane.gateway.selectors import KeyGrant
 from controlplane.gateway.spool import Spool
 from controlplane.gateway.upstream import UpstreamPool
@@ -490,9 +490,8 @@ class Gateway:
         assert task is not None
         watcher = asyncio.ensure_future(watch_disconnect(receive, outcome, task))
         try:
-            await self.relay.relay(
-                send, outcome, version, path, raw, request_id, reservation, admit
-            )
+            request = AgentRequest(version, path, raw, request_id, token_budget=reservation)
+            await self.relay.relay(send, outcome, request, admit)
         except asyncio.CancelledError:
             if not outcome.is_client_gone:
                 raise

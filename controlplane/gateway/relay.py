@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 from prometheus_client import Counter
 
@@ -42,27 +43,34 @@ def engine_headers(version: VersionRoute, endpoint: str, headers: list[tuple[str
     return headers if secret is None else [*headers, ("authorization", f"Bearer {secret}")]
 
 
+@dataclass(frozen=True, slots=True)
+class AgentRequest:
+    """One request for an agent of `version`: the body as the client sent it (or with
+    usage asked for), under the gateway's request id, held to the tokens reserved."""
+
+    version: VersionRoute
+    path: str
+    body: bytes
+    request_id: str
+    token_budget: int
+
+
 class Relay:
     def __init__(self, upstream: UpstreamPool) -> None:
         self.upstream = upstream
         self.outstanding: dict[str, int] = defaultdict(int)  # agent endpoint -> requests
 
     async def connect(
-        self,
-        outcome: Outcome,
-        version: VersionRoute,
-        path: str,
-        raw: bytes,
-        request_id: str,
-        reservation: int,
+        self, outcome: Outcome, request: AgentRequest
     ) -> tuple[UpstreamResponse, str] | None:
         """The first agent response, retrying once on another agent when one refuses."""
         tried: list[str] = []
+        version = request.version
         headers = [
             ("content-type", "application/json"),
-            ("x-request-id", request_id),
+            ("x-request-id", request.request_id),
             # The engine stops the request at the tokens reserved for it.
-            ("x-token-budget", str(reservation)),
+            ("x-token-budget", str(request.token_budget)),
         ]
         while outcome.attempts < 2:
             endpoint = choose_endpoint(version, self.outstanding, tried)
@@ -75,7 +83,7 @@ class Relay:
             self.outstanding[endpoint] += 1
             try:
                 response = await self.upstream.post(
-                    endpoint, path, raw, engine_headers(version, endpoint, headers)
+                    endpoint, request.path, request.body, engine_headers(version, endpoint, headers)
                 )
             except UpstreamConnectError as exc:
                 self.outstanding[endpoint] -= 1
@@ -107,15 +115,12 @@ class Relay:
         self,
         send,
         outcome: Outcome,
-        version: VersionRoute,
-        path: str,
-        raw: bytes,
-        request_id: str,
-        reservation: int,
+        request: AgentRequest,
         admit: "asyncio.Future[Admission | None]",
     ) -> None:
+        request_id = request.request_id
         try:
-            connected = await self.connect(outcome, version, path, raw, request_id, reservation)
+            connected = await self.connect(outcome, request)
         except UpstreamError as exc:
             # Reached, but no answer (read timeout, malformed head): no retry, the
             # agent may be working on it.
