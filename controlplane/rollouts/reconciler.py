@@ -302,7 +302,9 @@ def _converge_agents(
                 agent_name=agent.name,
                 kind=CommandKind.LOAD,
                 version_id=version_id,
-                served_model_name=deployment.name,
+                # The name tenants send: the routing table's model, which the engine
+                # checks every request against.
+                served_model_name=deployment.stable_version.model.name,
                 reason=f"reconcile {deployment.name} revision {deployment.routing_revision}",
             )
             report.loads.append((agent.name, version_id))

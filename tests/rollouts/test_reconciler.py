@@ -262,10 +262,13 @@ def test_a_load_command_carries_the_secrets_only_on_the_stream(
     Deployment.objects.filter(pk=deployment.pk).update(
         desired_routing={**deployment.desired_routing, "preload_version_ids": [candidate.pk]}
     )
+    # Tenants send the model's name, not the deployment's: the engine must serve under it.
+    Deployment.objects.filter(pk=deployment.pk).update(name="chat-prod")
     report = reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
     assert report.loads == [("gpu-1", candidate.pk)]
     [(_, fields)] = redis_client.xrange(commands_stream("gpu-1"))
     wire = parse_command(fields)
+    assert wire.payload["served_model_name"] == table(redis_client, "chat-prod").model == "smollm2"
     command = AgentCommand.objects.get(agent=spare)
     serving, admin = secrets_of(command)
     assert (wire.payload["serving_secret"], wire.payload["admin_secret"]) == (serving, admin)

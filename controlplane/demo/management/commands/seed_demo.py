@@ -144,7 +144,8 @@ class Command(BaseCommand):
         self._print(credentials, credentials_path)
 
     def _deployment(self, stable: ModelVersion) -> None:
-        """The chat deployment tenants call as `model="smollm2"`, serving float32 as stable."""
+        """The chat deployment, serving float32 as stable; tenants call its model's name
+        (`model="SmolLM2-135M-Instruct"`)."""
         if Deployment.objects.filter(name=DEMO_DEPLOYMENT).exists():
             return
         deployments.deployment_create(
