@@ -12,7 +12,6 @@ spooled.
 """
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
@@ -27,7 +26,6 @@ from prometheus_client import Counter
 
 from contracts.openai_request import CHECKS, RequestFieldError
 from contracts.routing import (
-    ROUTING_CHANNEL,
     Affinity,
     RequestRecord,
     RoutingTable,
@@ -43,21 +41,18 @@ from controlplane.gateway.http_io import (
     read_body,
     send_json,
 )
+from controlplane.gateway.loops import KEY_TOUCH_INTERVAL_S, GatewayLoops
 from controlplane.gateway.metering import StreamMeter, prompt_text
 from controlplane.gateway.outcome import Outcome, request_record, watch_disconnect
 from controlplane.gateway.ratelimit import Admission, Headroom, token_reservation
 from controlplane.gateway.recorder import (
     KeyUses,
     RedisBatcher,
-    RequestsStreamFull,
-    keys_touch,
-    spooled_entries_write,
 )
 from controlplane.gateway.relay import AgentRequest, Relay
 from controlplane.gateway.selectors import KeyGrant
 from controlplane.gateway.spool import Spool
 from controlplane.gateway.upstream import UpstreamPool
-from controlplane.tenants.services import INVALIDATE_CHANNEL, api_key_touch
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +70,6 @@ ROUTES = {
     "/v1/completions": ("completions", "chat"),
     "/v1/embeddings": ("embeddings", "embeddings"),
 }
-KEY_TOUCH_INTERVAL_S = 60.0  # ApiKey.last_used_at: at most one write a minute per key
-KEY_TOUCH_FLUSH_S = 1.0
 
 
 async def _bounded(step: Awaitable[Any], what: str, timeout_s: float) -> None:
@@ -109,7 +102,7 @@ class Gateway:
                 return
             self.redis = async_redis_client()
             self.pubsub_redis = async_pubsub_client()
-            self.sync_redis = redis_client()  # the spool's replay, in a worker thread
+            self.sync_redis = redis_client()
             self.relay = Relay(
                 UpstreamPool(
                     connect_timeout_s=settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT_S,
@@ -120,25 +113,28 @@ class Gateway:
             self.auth_failures = AuthFailures(
                 limit=settings.GATEWAY_AUTH_FAILURES_PER_MINUTE, window_s=60.0
             )
-            self.key_uses = KeyUses(interval_s=KEY_TOUCH_INTERVAL_S)
+            key_uses = KeyUses(interval_s=KEY_TOUCH_INTERVAL_S)
             self.routing = RoutingCache()
             self.headroom = Headroom()
             self.spool = Spool(
                 settings.GATEWAY_SPOOL_DIR, max_bytes=settings.GATEWAY_SPOOL_MAX_BYTES
             )
             self.batcher = RedisBatcher(self.redis, self.spool)
-            self._stopping = asyncio.Event()
+            self.loops = GatewayLoops(
+                redis_client=self.redis,
+                pubsub_redis=self.pubsub_redis,
+                sync_redis=self.sync_redis,
+                routing=self.routing,
+                keys=self.keys,
+                spool=self.spool,
+                key_uses=key_uses,
+            )
             try:
                 await self.routing.refresh_all(self.redis)
             except (redis.RedisError, OSError) as exc:
                 logger.warning("routing tables unavailable at start", extra={"error": str(exc)})
             self._batcher_task = asyncio.create_task(self.batcher.run())
-            self._tasks = [
-                asyncio.create_task(self._listen()),
-                asyncio.create_task(self._refresh_periodically()),
-                asyncio.create_task(self._replay_spool_periodically()),
-                asyncio.create_task(self._touch_keys_periodically()),
-            ]
+            self._tasks = self.loops.start()
             self.is_started = True
 
     async def stop(self) -> None:
@@ -152,95 +148,21 @@ class Gateway:
             return
         started = time.monotonic()
         logger.info("gateway stopping")
-        self._stopping.set()  # the loops end at their next turn, cancelled or not
+        self.loops.stopping.set()  # the loops end at their next turn, cancelled or not
         for task in self._tasks:
             task.cancel()
         await _bounded(asyncio.gather(*self._tasks, return_exceptions=True), "loops", 5)
         # The batcher finishes what is queued (or spools it) before the spool's last replay.
         self.batcher.close()
         await _bounded(self._batcher_task, "batcher", 15)
-        await _bounded(self._touch_keys(), "key last-used times", 5)
-        await _bounded(asyncio.to_thread(self.spool.replay, self._write_entries), "replay", 10)
+        await _bounded(self.loops.touch_keys(), "key last-used times", 5)
+        await _bounded(asyncio.to_thread(self.spool.replay, self.loops.write_entries), "replay", 10)
         await self.relay.upstream.aclose()
         await _bounded(self.redis.aclose(), "redis client", 2)
         await _bounded(self.pubsub_redis.aclose(), "pub/sub client", 2)
         self.sync_redis.close()
         self.is_started = False
         logger.info("gateway stopped", extra={"seconds": round(time.monotonic() - started, 3)})
-
-    async def _pause(self, seconds: float) -> None:
-        """Sleep, or return as soon as the gateway stops."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
-
-    async def _listen(self) -> None:
-        backoff = 0.5
-        while not self._stopping.is_set():
-            try:
-                async with self.pubsub_redis.pubsub() as pubsub:
-                    await pubsub.subscribe(ROUTING_CHANNEL, INVALIDATE_CHANNEL)
-                    # Catch up on what changed while we were not listening.
-                    await self.routing.refresh_all(self.redis)
-                    self.keys.invalidate("all")
-                    backoff = 0.5
-                    async for message in pubsub.listen():
-                        if message.get("type") != "message":
-                            continue
-                        channel = message["channel"]
-                        channel = channel.decode() if isinstance(channel, bytes) else channel
-                        data = message["data"]
-                        data = data.decode() if isinstance(data, bytes) else str(data)
-                        if channel == ROUTING_CHANNEL:
-                            await self.routing.refresh_one(self.redis, data)
-                        else:
-                            self.keys.invalidate(data)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if self._stopping.is_set():
-                    return
-                logger.warning("gateway pub/sub lost; reconnecting", extra={"error": str(exc)})
-                await self._pause(backoff)
-                backoff = min(backoff * 2, 10.0)
-
-    async def _refresh_periodically(self) -> None:
-        while not self._stopping.is_set():
-            await self._pause(settings.GATEWAY_ROUTING_REFRESH_S)
-            try:
-                await self.routing.refresh_all(self.redis)
-            except (redis.RedisError, OSError) as exc:
-                logger.warning("routing refresh failed", extra={"error": str(exc)})
-
-    def _write_entries(self, entries: list[dict[str, str]]) -> None:
-        spooled_entries_write(self.sync_redis, entries)
-
-    async def _replay_spool_periodically(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                if self.spool.size_bytes():
-                    await asyncio.to_thread(self.spool.replay, self._write_entries)
-            except asyncio.CancelledError:
-                raise
-            except RequestsStreamFull:
-                pass  # the batcher logs when the stream fills and when it drains
-            except Exception as exc:
-                logger.warning("spool replay failed; will retry", extra={"error": str(exc)})
-            await self._pause(settings.GATEWAY_SPOOL_RETRY_S)
-
-    async def _touch_keys(self) -> None:
-        used = self.key_uses.take()
-        if used:
-            await asyncio.to_thread(keys_touch, used, api_key_touch)
-
-    async def _touch_keys_periodically(self) -> None:
-        while not self._stopping.is_set():
-            await self._pause(KEY_TOUCH_FLUSH_S)
-            try:
-                await self._touch_keys()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.warning("key last-used times not written", extra={"error": str(exc)})
 
     # ASGI.
 
@@ -357,7 +279,7 @@ class Gateway:
             raise GatewayRequestError(
                 401, "invalid_api_key", "Incorrect API key provided.", "invalid_request_error"
             )
-        self.key_uses.note(grant.key_id, time.monotonic())
+        self.loops.key_uses.note(grant.key_id, time.monotonic())
         return grant
 
     async def _models(self, grant: KeyGrant, send) -> None:

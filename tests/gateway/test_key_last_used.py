@@ -7,7 +7,7 @@ import pytest
 from django.utils import timezone
 from openai.types.chat import ChatCompletionMessageParam
 
-from controlplane.gateway.app import KEY_TOUCH_FLUSH_S
+from controlplane.gateway.loops import KEY_TOUCH_FLUSH_S
 from controlplane.rollouts.routing import routing_table_publish
 from controlplane.tenants.models import ApiKey
 from controlplane.tenants.services import api_key_touch
