@@ -5,8 +5,6 @@ text is kept only while the tenant's policy keeps prompts."""
 
 import asyncio
 import logging
-import time
-import uuid
 from typing import Any
 
 import pytest
@@ -29,6 +27,7 @@ from controlplane.telemetry.streams import StreamIngestor
 from controlplane.tenants.models import Tenant, UsageRecord
 from controlplane.tenants.services import tenant_update
 from tests.gateway.conftest import Setup, free_port, make_setup, signed_entry
+from tests.telemetry.support import request_record
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -37,28 +36,7 @@ AUDIT_ACTION = "telemetry.requests_refused"
 
 
 def record(setup: Setup, **changes: Any) -> RequestRecord:
-    finished_at = time.time()
-    values: dict[str, Any] = {
-        "request_id": uuid.uuid4().hex,
-        "tenant_id": setup.tenant.pk,
-        "api_key_id": 1,
-        "deployment": "smollm2",
-        "version_id": setup.versions[0].pk,
-        "agent": "http://10.0.0.1:8101",
-        "endpoint_kind": "chat",
-        "status": 200,
-        "is_stream": False,
-        "started_at": finished_at - 0.5,
-        "finished_at": finished_at,
-        "e2e_s": 0.5,
-        "ttft_s": None,
-        "itl_mean_s": None,
-        "itl_p95_s": None,
-        "prompt_tokens": 10,
-        "completion_tokens": 5,
-        "usage_source": "engine",
-    }
-    return RequestRecord(**{**values, **changes})
+    return request_record(tenant_id=setup.tenant.pk, version_id=setup.versions[0].pk, **changes)
 
 
 class Clock:

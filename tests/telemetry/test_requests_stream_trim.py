@@ -7,7 +7,6 @@ the real requests handler ingests them, and the dashboard shows a loss.
 import asyncio
 import math
 import time
-import uuid
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -28,31 +27,17 @@ from controlplane.telemetry.stream_trim import LOST_TOTAL, lost_entries_key, str
 from controlplane.telemetry.streams import StreamIngestor
 from controlplane.tenants.models import Tenant, UsageRecord
 from tests.gateway.conftest import Setup, make_setup, signed_entry
+from tests.telemetry.support import request_record
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def record(setup: Setup, index: int) -> RequestRecord:
-    finished_at = time.time()
-    return RequestRecord(
-        request_id=uuid.uuid4().hex,
+    return request_record(
         tenant_id=setup.tenant.pk,
-        api_key_id=1,
-        deployment="smollm2",
         version_id=setup.versions[0].pk,
-        agent="http://10.0.0.1:8101",
-        endpoint_kind="chat",
-        status=200,
-        is_stream=False,
-        started_at=finished_at - 0.5,
-        finished_at=finished_at,
-        e2e_s=0.5,
-        ttft_s=None,
-        itl_mean_s=None,
-        itl_p95_s=None,
         prompt_tokens=10 + index,
         completion_tokens=index % 7,
-        usage_source="engine",
     )
 
 

@@ -9,7 +9,6 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from contracts.routing import RequestRecord
 from controlplane.registry.models import Artifact, Model, ModelVersion
 from controlplane.rollouts import deployments, transitions
 from controlplane.rollouts.models import Rollout, RolloutState
@@ -19,6 +18,7 @@ from controlplane.telemetry.tasks import apply_retention
 from controlplane.telemetry.usage import request_records_apply
 from controlplane.tenants.models import Tenant, UsageRecord
 from controlplane.tenants.services import tenant_create
+from tests.telemetry.support import request_record
 
 pytestmark = pytest.mark.django_db
 
@@ -55,25 +55,11 @@ def _ingest(tenant: Tenant, version: ModelVersion, *, age_s: float) -> str:
     request_id = uuid.uuid4().hex
     request_records_apply(
         records=[
-            RequestRecord(
+            request_record(
                 request_id=request_id,
                 tenant_id=tenant.pk,
-                api_key_id=1,
-                deployment="smollm2",
                 version_id=version.pk,
-                agent="http://10.0.0.1:8101",
-                endpoint_kind="chat",
-                status=200,
-                is_stream=False,
-                started_at=finished_at - 0.5,
                 finished_at=finished_at,
-                e2e_s=0.5,
-                ttft_s=None,
-                itl_mean_s=None,
-                itl_p95_s=None,
-                prompt_tokens=10,
-                completion_tokens=5,
-                usage_source="engine",
                 prompt="What is the capital of France?",
                 completion="Paris.",
             )

@@ -4,8 +4,6 @@ refused ones counted and dropped; a failure that is not an entry's fault drops n
 
 import dataclasses
 import logging
-import time
-import uuid
 from collections.abc import Mapping, Sequence
 
 import pytest
@@ -24,6 +22,7 @@ from controlplane.telemetry.requests import RequestsStreamHandler
 from controlplane.telemetry.streams import StreamIngestor
 from controlplane.tenants.models import UsageRecord
 from tests.gateway.conftest import make_setup, signed_entry
+from tests.telemetry.support import request_record
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -78,28 +77,7 @@ class FailsOnceHandler(RequestsStreamHandler):
 
 
 def record(setup, **changes) -> RequestRecord:
-    finished_at = time.time()
-    values = {
-        "request_id": uuid.uuid4().hex,
-        "tenant_id": setup.tenant.pk,
-        "api_key_id": 1,
-        "deployment": "smollm2",
-        "version_id": setup.versions[0].pk,
-        "agent": "http://10.0.0.1:8101",
-        "endpoint_kind": "chat",
-        "status": 200,
-        "is_stream": False,
-        "started_at": finished_at - 0.5,
-        "finished_at": finished_at,
-        "e2e_s": 0.5,
-        "ttft_s": None,
-        "itl_mean_s": None,
-        "itl_p95_s": None,
-        "prompt_tokens": 10,
-        "completion_tokens": 5,
-        "usage_source": "engine",
-    }
-    return RequestRecord(**{**values, **changes})
+    return request_record(tenant_id=setup.tenant.pk, version_id=setup.versions[0].pk, **changes)
 
 
 def make_ingestor(redis_client, handler, **options) -> StreamIngestor:
