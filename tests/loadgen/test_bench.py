@@ -116,7 +116,7 @@ def test_render_handles_a_skipped_figure():
 
 
 def test_each_decode_run_meets_the_faster_read_beside_it():
-    from bench.engine_bench import DecodeWindow, InProcessResult, KernelCeilings
+    from bench.engine_inprocess import DecodeWindow, InProcessResult, KernelCeilings
 
     windows = [  # 0.2 GB at 100 tok/s is 20 GB/s: ratios 0.8, 0.5, 0.9, 0.4
         DecodeWindow(100.0, 25.0),

@@ -1,0 +1,133 @@
+"""The HF transformers reference of the engine benchmark: `generate` in static batches on
+the same weights, and its dtype where the CPU has no native bf16."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bench.engine_workload import (
+    DEVICE,
+    SMOLLM2_EOS,
+    Options,
+    Workload,
+    random_prompts,
+    synchronize,
+)
+
+
+def reference_model(model: str, dtype: torch.dtype) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.loader import load_checkpoint, resolve_model_path
+
+    checkpoint = load_checkpoint(resolve_model_path(model))
+    c = checkpoint.config
+    reference = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
+            num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+            head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+            max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True,
+        )
+    )  # fmt: skip
+    reference.load_state_dict(checkpoint.weights, strict=False)
+    reference.tie_weights()
+    return reference.to(device=DEVICE, dtype=dtype).eval()  # type: ignore[call-arg]
+
+
+@dataclass(slots=True)
+class ReferenceResult:
+    seconds: float
+    tokens: int
+    requests: int
+    hit_time_limit: bool
+    # per static batch: (rows, padded prompt length, steps generated): the work HF did
+    batches: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+def run_reference(
+    options: Options, workload: Workload, dtype: torch.dtype, deadline: float
+) -> ReferenceResult:
+    """HF generate in static batches (left padded); useful = tokens up to own limit or EOS."""
+    model = reference_model(options.model, dtype)
+    max_time = max(10.0, deadline - time.monotonic())
+    eos = SMOLLM2_EOS
+    model.generation_config.eos_token_id = eos
+    useful = requests = 0
+    hit_time_limit = False
+    batches: list[tuple[int, int, int]] = []
+    size = options.batch_size
+    started = time.perf_counter()
+    for first in range(0, min(len(workload.prompts), size * options.reference_batches), size):
+        prompts = workload.prompts[first : first + size]
+        limits = workload.max_tokens[first : first + size]
+        longest = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), longest), eos, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, longest - len(prompt) :] = torch.tensor(prompt)
+            mask[row, longest - len(prompt) :] = 1
+        left = max_time - (time.perf_counter() - started)
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE),
+                max_new_tokens=max(limits), do_sample=False, pad_token_id=eos,
+                max_time=max(left, 1.0),
+            )[:, longest:]  # fmt: skip
+        if out.shape[1] < max(limits) and not bool((out == eos).any(dim=1).all()):
+            hit_time_limit = True
+        batches.append((len(prompts), longest, int(out.shape[1])))
+        for row, limit in enumerate(limits):
+            tokens = out[row, :limit].tolist()
+            useful += tokens.index(eos) + 1 if eos in tokens else len(tokens)
+        requests += len(prompts)
+        if hit_time_limit:
+            break
+    return ReferenceResult(time.perf_counter() - started, useful, requests, hit_time_limit, batches)
+
+
+def reference_dtype(options: Options) -> tuple[torch.dtype, str | None]:
+    """HF's dtype for the reference, and why it is not the engine's dtype when it is not.
+
+    The reference computes in the engine's dtype (bfloat16 for int8 too). On a CPU
+    without native bf16 dot products (AVX2, AVX-512 before avx512_bf16) PyTorch's bf16
+    GEMMs run many times slower than fp32 (a 64-request static batch of this workload
+    took over 480 s to prefill on an AMD EPYC Zen 3), so such a reference measures only
+    the missing instructions; it runs in float32 on the same bf16-rounded weights
+    instead, HF's fastest dtype there. The engine itself computes batches in fp32 there.
+    """
+    if options.reference_dtype is not None:
+        return getattr(torch, options.reference_dtype), None
+    if options.dtype == "float32":
+        return torch.float32, None
+    from engine.models.layers import cpu_has_native_bf16
+
+    if torch.cuda.is_available() or cpu_has_native_bf16():
+        return torch.bfloat16, None
+    return torch.float32, (
+        "this CPU has no native bf16 dot products: HF runs in float32 on the same "
+        "bf16-rounded weights (its fastest dtype here; --reference-dtype bfloat16 forces bf16)"
+    )
+
+
+def reference_forward_seconds(options: Options, tokens: int) -> dict[str, float]:
+    """One HF forward pass of a `tokens`-token prompt in each dtype: why fp32 is chosen."""
+    model = reference_model(options.model, torch.float32)
+    ids = torch.tensor([random_prompts(1, tokens, seed=5)[0]], device=DEVICE)
+    seconds: dict[str, float] = {}
+    with torch.inference_mode():
+        for dtype in (torch.float32, torch.bfloat16):
+            model = model.to(dtype)
+            model(input_ids=ids[:, :8])  # warm the kernels
+            synchronize()
+            started = time.perf_counter()
+            model(input_ids=ids)
+            synchronize()
+            seconds[str(dtype).removeprefix("torch.")] = time.perf_counter() - started
+    return seconds
