@@ -30,6 +30,18 @@ def env_list(name: str, default: str) -> list[str]:
     return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
 
 
+def env_key(name: str, *, label: bytes, secret_key: str) -> bytes:
+    """A key between the parts: `name` from the environment (at least 32 bytes, e.g.
+    `openssl rand -hex 32`), else derived from SECRET_KEY under `label`, which keeps it
+    apart from SECRET_KEY's other uses (fine wherever every process shares SECRET_KEY)."""
+    if name in os.environ:
+        key = os.environ[name].encode()
+        if len(key) < 32:
+            raise ImproperlyConfigured(f"{name} must be at least 32 bytes")
+        return key
+    return hmac.digest(secret_key.encode(), label, "sha256")
+
+
 DEBUG = env_bool("DEBUG", default=False)
 
 SECRET_KEY = os.environ.get("SECRET_KEY", "")
@@ -274,18 +286,11 @@ GATEWAY_REQUESTS_STREAM_MAX_LENGTH = int(
 )
 if GATEWAY_REQUESTS_STREAM_MAX_LENGTH < 1:
     raise ImproperlyConfigured("GATEWAY_REQUESTS_STREAM_MAX_LENGTH must be at least 1")
-# The key gateways sign requests-stream entries with and ingest verifies (the entry's `mac`):
-# at least 32 bytes (e.g. `openssl rand -hex 32`), the same for every gateway and ingest
-# process. Production sets its own; unset, it is derived from SECRET_KEY (fine for dev,
-# tests and the demo, where every process shares SECRET_KEY).
-if "TELEMETRY_RECORD_KEY" in os.environ:
-    TELEMETRY_RECORD_KEY = os.environ["TELEMETRY_RECORD_KEY"].encode()
-    if len(TELEMETRY_RECORD_KEY) < 32:
-        raise ImproperlyConfigured("TELEMETRY_RECORD_KEY must be at least 32 bytes")
-else:
-    TELEMETRY_RECORD_KEY = hmac.digest(
-        SECRET_KEY.encode(), b"controlplane.telemetry.record-key", "sha256"
-    )
+# The key gateways sign requests-stream entries with and ingest verifies (the entry's
+# `mac`), the same for every gateway and ingest process.
+TELEMETRY_RECORD_KEY = env_key(
+    "TELEMETRY_RECORD_KEY", label=b"controlplane.telemetry.record-key", secret_key=SECRET_KEY
+)
 # Tokens reserved against tokens_per_minute for a request without max_tokens.
 GATEWAY_DEFAULT_COMPLETION_TOKENS = int(os.environ.get("GATEWAY_DEFAULT_COMPLETION_TOKENS", "256"))
 # Settled fleet energy rollups are attributed to tenants by tokens this often.
@@ -312,9 +317,8 @@ FLEET_LOST_AFTER_S = float(
 )
 FLEET_SAMPLE_RETENTION_S = int(os.environ.get("FLEET_SAMPLE_RETENTION_S", str(7 * 24 * 3600)))
 FLEET_COMMAND_TTL_S = float(os.environ.get("FLEET_COMMAND_TTL_S", "300"))
-# The key engine secrets are derived from (controlplane.fleet.engine_secrets); empty:
-# derived from SECRET_KEY, so that development and tests need nothing more.
-FLEET_ENGINE_KEY = os.environ.get("FLEET_ENGINE_KEY", "")
+# The key engine secrets are derived from (controlplane.fleet.engine_secrets).
+FLEET_ENGINE_KEY = env_key("FLEET_ENGINE_KEY", label=b"fleet-engine-key", secret_key=SECRET_KEY)
 
 # Rollouts
 # Canary analysis runs every this many seconds (10 in the demo).

@@ -21,19 +21,12 @@ SERVING = "engine-serving"
 ADMIN = "engine-admin"
 
 
-def _key() -> bytes:
-    if settings.FLEET_ENGINE_KEY:
-        return settings.FLEET_ENGINE_KEY.encode()
-    # A fixed label keeps this key apart from every other use of SECRET_KEY.
-    return hmac.new(settings.SECRET_KEY.encode(), b"fleet-engine-key", hashlib.sha256).digest()
-
-
 def engine_secret(*, purpose: str, agent_name: str, command_id: str) -> str:
     """64 hex characters; `purpose` is SERVING or ADMIN."""
     if purpose not in (SERVING, ADMIN):
         raise ValueError(f"unknown engine secret purpose {purpose!r}")
     message = f"{purpose}:{agent_name}:{command_id}".encode()
-    return hmac.new(_key(), message, hashlib.sha256).hexdigest()
+    return hmac.new(settings.FLEET_ENGINE_KEY, message, hashlib.sha256).hexdigest()
 
 
 def engine_secrets_payload(*, agent_name: str, command_id: str) -> dict[str, str]:

@@ -3,6 +3,8 @@
 import hashlib
 import hmac
 import json
+import os
+from unittest import mock
 
 import pytest
 from django.test import override_settings
@@ -12,6 +14,7 @@ from controlplane.audit.models import AuditEvent
 from controlplane.fleet.engine_secrets import ADMIN, SERVING, engine_secret
 from controlplane.fleet.models import Agent, AgentCommand
 from controlplane.registry import services as registry_services
+from controlplane.settings import env_key
 from tests.fleet.support import register
 
 pytestmark = pytest.mark.django_db
@@ -38,7 +41,7 @@ def expected(key: bytes, label: str, agent: str, command_id: str) -> str:
 
 
 def test_secrets_are_an_hmac_of_the_agent_and_command_under_the_fleet_key() -> None:
-    with override_settings(FLEET_ENGINE_KEY="fleet-key"):
+    with override_settings(FLEET_ENGINE_KEY=b"fleet-key"):
         serving = engine_secret(purpose=SERVING, agent_name="gpu-1", command_id="c1")
         admin = engine_secret(purpose=ADMIN, agent_name="gpu-1", command_id="c1")
         assert serving == expected(b"fleet-key", "engine-serving", "gpu-1", "c1")
@@ -46,8 +49,12 @@ def test_secrets_are_an_hmac_of_the_agent_and_command_under_the_fleet_key() -> N
         assert engine_secret(purpose=SERVING, agent_name="gpu-1", command_id="c2") != serving
         assert engine_secret(purpose=SERVING, agent_name="gpu-2", command_id="c1") != serving
     # Unset: a key derived from SECRET_KEY under a fixed label, never SECRET_KEY itself.
-    with override_settings(FLEET_ENGINE_KEY="", SECRET_KEY="django-secret"):
-        derived = hmac.new(b"django-secret", b"fleet-engine-key", hashlib.sha256).digest()
+    derived = hmac.new(b"django-secret", b"fleet-engine-key", hashlib.sha256).digest()
+    environment = {k: v for k, v in os.environ.items() if k != "FLEET_ENGINE_KEY"}
+    with mock.patch.dict(os.environ, environment, clear=True):
+        key = env_key("FLEET_ENGINE_KEY", label=b"fleet-engine-key", secret_key="django-secret")
+    assert key == derived
+    with override_settings(FLEET_ENGINE_KEY=key):
         assert engine_secret(purpose=SERVING, agent_name="gpu-1", command_id="c1") == expected(
             derived, "engine-serving", "gpu-1", "c1"
         )
