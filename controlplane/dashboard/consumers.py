@@ -49,9 +49,7 @@ def live_groups_for_user(user: Any) -> list[str]:
     if access.can_view_fleet(user):
         groups.append(FLEET_LIVE_GROUP)
     if access.is_staff_reader(user):
-        groups.append(ROLLOUTS_LIVE_GROUP)
-    if access.is_staff_reader(user):
-        groups.append(AUDIT_LIVE_GROUP)
+        groups += [ROLLOUTS_LIVE_GROUP, AUDIT_LIVE_GROUP]
     tenant = access.tenant_for_user(user)
     if tenant is not None:
         groups.append(tenant_live_group(tenant.pk))
