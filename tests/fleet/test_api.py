@@ -15,7 +15,7 @@ from controlplane.audit.models import AuditEvent
 from controlplane.fleet.models import Agent, AgentCommand
 from controlplane.registry import services as registry_services
 from tests.api.support import assert_error, audit_count
-from tests.fleet.support import heartbeat, register
+from tests.fleet.support import heartbeat
 
 pytestmark = pytest.mark.django_db
 
@@ -30,22 +30,6 @@ REGISTRATION = {
     "loaded_version_id": None,
     "heartbeat_interval_s": 1.0,
 }
-
-
-@pytest.fixture
-def agent(users) -> Agent:
-    return register(actor=users["agent"])
-
-
-@pytest.fixture
-def signed_version(make_version, signer):
-    version = make_version("v1")
-    return registry_services.version_verify(
-        actor=None,
-        version=version,
-        key_id=signer.key_id,
-        signature=signer.sign(version.artifact_id, version.serving_config),
-    )
 
 
 def stream_entries(redis_client, name: str = "agent-1") -> list[dict]:

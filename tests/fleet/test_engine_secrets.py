@@ -12,28 +12,10 @@ from django.test import override_settings
 from contracts.streams import commands_stream, parse_command, parse_load_payload
 from controlplane.audit.models import AuditEvent
 from controlplane.fleet.engine_secrets import ADMIN, SERVING, engine_secret
-from controlplane.fleet.models import Agent, AgentCommand
-from controlplane.registry import services as registry_services
+from controlplane.fleet.models import AgentCommand
 from controlplane.settings import env_key
-from tests.fleet.support import register
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def agent(users) -> Agent:
-    return register(actor=users["agent"])
-
-
-@pytest.fixture
-def signed_version(make_version, signer):
-    version = make_version("v1")
-    return registry_services.version_verify(
-        actor=None,
-        version=version,
-        key_id=signer.key_id,
-        signature=signer.sign(version.artifact_id, version.serving_config),
-    )
 
 
 def expected(key: bytes, label: str, agent: str, command_id: str) -> str:
