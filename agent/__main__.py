@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.config import ENERGY_SOURCE_CHOICES, AgentConfig, parse_engine_command
+from agent.credentials import CredentialsError, credentials_load
 
 
 class PlainFormatter(logging.Formatter):
@@ -92,14 +93,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.basicConfig(level=options.log_level.upper(), handlers=[handler])
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    state_dir = Path(options.state_dir or Path(".demo") / "agents" / options.name)
     try:
+        credentials = credentials_load(state_dir)
+        pinned = _pinned_keys(options.trusted_key)
+        if credentials is not None:
+            if credentials.agent != options.name:
+                raise ValueError(
+                    f"{state_dir} holds the credentials of agent {credentials.agent!r}, "
+                    f"not {options.name!r}"
+                )
+            pinned = {**credentials.trusted_keys, **pinned}
         config = AgentConfig(
             name=options.name,
             port=options.port,
-            redis_url=options.redis,
+            redis_url=credentials.redis_url(options.redis) if credentials else options.redis,
             control_plane_url=options.control_plane,
-            token=_token(options),
-            state_dir=Path(options.state_dir or Path(".demo") / "agents" / options.name),
+            token=credentials.api_token if credentials else _token(options),
+            state_dir=state_dir,
             advertise_host=options.advertise_host,
             bind_host=options.bind_host,
             engine_command=parse_engine_command(options.engine_command),
@@ -111,9 +122,11 @@ def main(argv: list[str] | None = None) -> int:
             gpu_index=options.gpu_index,
             rapl_root=Path(options.rapl_root),
             watts_per_core=options.watts_per_core,
-            pinned_keys=_pinned_keys(options.trusted_key),
+            pinned_keys=pinned,
+            stream_key=credentials.stream_key if credentials else "",
+            command_public_key=credentials.command_public_key if credentials else "",
         )
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, CredentialsError) as exc:
         print(f"agent: {exc}", file=sys.stderr)
         return 2
     from agent.runner import Agent

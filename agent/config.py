@@ -35,8 +35,10 @@ class AgentConfig:
     gpu_index: int = 0
     rapl_root: Path = Path("/sys/class/powercap")
     watts_per_core: float = 10.0
-    # key_id -> base64 public key; when given, a load must be signed by one of these.
+    # key_id -> base64 public key: a load must be signed by one of these.
     pinned_keys: dict[str, str] = field(default_factory=dict)
+    stream_key: str = ""  # 64 hex: HMAC key of this agent's heartbeats and results
+    command_public_key: str = ""  # base64 Ed25519: every command must verify against it
     http_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
