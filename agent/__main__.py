@@ -1,9 +1,9 @@
-"""`python -m agent --name NAME --port PORT --redis URL --control-plane URL --token TOKEN`."""
+"""`python -m agent --name NAME --port PORT --redis URL --control-plane URL
+--enrolment-token-file FILE` (the token is needed once; the credentials it brings are kept)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.config import ENERGY_SOURCE_CHOICES, AgentConfig, parse_engine_command
-from agent.credentials import CredentialsError, credentials_load
+from agent.credentials import CredentialsError, credentials_obtain
 
 
 class PlainFormatter(logging.Formatter):
@@ -26,18 +26,10 @@ class PlainFormatter(logging.Formatter):
         return line + "".join(f" {key}={value}" for key, value in extras.items())
 
 
-def _token(options: argparse.Namespace) -> str:
-    if options.token:
-        return str(options.token)
-    if options.token_file:
-        return Path(options.token_file).read_text().strip()
-    if options.credentials_file:
-        data: Any = json.loads(Path(options.credentials_file).read_text())
-        token = data.get("agent_token") or (data.get("agent") or {}).get("token")
-        if not token:
-            raise ValueError(f"{options.credentials_file} has no agent token")
-        return str(token)
-    return os.environ.get("AGENT_TOKEN", "")
+def _enrolment_token(options: argparse.Namespace) -> str:
+    if options.enrolment_token_file:
+        return Path(options.enrolment_token_file).read_text().strip()
+    return os.environ.get("AGENT_ENROLMENT_TOKEN", "").strip()
 
 
 def _pinned_keys(values: list[str]) -> dict[str, str]:
@@ -60,10 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--control-plane", default=os.environ.get("CONTROL_PLANE_URL", "http://127.0.0.1:8000")
     )
-    parser.add_argument("--token", help="access token of the agent service account")
-    parser.add_argument("--token-file", help="file holding the token (safer than --token)")
-    parser.add_argument("--credentials-file", help="the demo's credentials.json")
-    parser.add_argument("--state-dir", help="artifacts and engine logs (default .demo/agents/NAME)")
+    parser.add_argument(
+        "--enrolment-token-file",
+        help="one-time enrolment token (or AGENT_ENROLMENT_TOKEN); traded for the agent's "
+        "own credentials, kept in STATE_DIR/credentials.json",
+    )
+    parser.add_argument(
+        "--state-dir", help="credentials, artifacts and engine logs (default .demo/agents/NAME)"
+    )
     parser.add_argument("--advertise-host", default="127.0.0.1")
     parser.add_argument("--bind-host", default="127.0.0.1")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per engine")
@@ -95,21 +91,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     state_dir = Path(options.state_dir or Path(".demo") / "agents" / options.name)
     try:
-        credentials = credentials_load(state_dir)
         pinned = _pinned_keys(options.trusted_key)
-        if credentials is not None:
-            if credentials.agent != options.name:
-                raise ValueError(
-                    f"{state_dir} holds the credentials of agent {credentials.agent!r}, "
-                    f"not {options.name!r}"
-                )
-            pinned = {**credentials.trusted_keys, **pinned}
+        credentials = credentials_obtain(
+            state_dir=state_dir,
+            agent_name=options.name,
+            enrolment_token=_enrolment_token(options),
+            control_plane_url=options.control_plane,
+        )
+        pinned = {**credentials.trusted_keys, **pinned}
         config = AgentConfig(
             name=options.name,
             port=options.port,
-            redis_url=credentials.redis_url(options.redis) if credentials else options.redis,
+            redis_url=credentials.redis_url(options.redis),
             control_plane_url=options.control_plane,
-            token=credentials.api_token if credentials else _token(options),
+            token=credentials.api_token,
             state_dir=state_dir,
             advertise_host=options.advertise_host,
             bind_host=options.bind_host,
@@ -123,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             rapl_root=Path(options.rapl_root),
             watts_per_core=options.watts_per_core,
             pinned_keys=pinned,
-            stream_key=credentials.stream_key if credentials else "",
-            command_public_key=credentials.command_public_key if credentials else "",
+            stream_key=credentials.stream_key,
+            command_public_key=credentials.command_public_key,
         )
     except (ValueError, OSError, CredentialsError) as exc:
         print(f"agent: {exc}", file=sys.stderr)

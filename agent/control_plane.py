@@ -13,6 +13,7 @@ import httpx
 logger = logging.getLogger(__name__)
 
 REGISTER_PATH = "/api/v1/fleet/agents/register/"
+ENROL_PATH = "/api/v1/fleet/agents/enrol/"
 ARTIFACT_PATH = "/api/v1/artifacts/{digest}"
 CHUNK_BYTES = 1024 * 1024
 
@@ -23,6 +24,31 @@ class ControlPlaneError(RuntimeError):
 
 class ArtifactError(RuntimeError):
     """The artifact could not be fetched, or its bytes are not the ones that were signed."""
+
+
+class EnrolmentRefused(ControlPlaneError):
+    """The control plane answered and said no (a used, expired or unknown token)."""
+
+
+def enrol(*, base_url: str, token: str, timeout_s: float) -> dict[str, Any]:
+    """Trade a one-time enrolment token for this agent's credentials."""
+    try:
+        with httpx.Client(base_url=base_url.rstrip("/"), timeout=httpx.Timeout(timeout_s)) as c:
+            response = c.post(ENROL_PATH, json={"token": token})
+    except httpx.HTTPError as exc:
+        raise ControlPlaneError(f"control plane unreachable: {exc}") from exc
+    if response.status_code in (400, 401, 403):
+        raise EnrolmentRefused(
+            f"enrolment refused: HTTP {response.status_code} {response.text[:300]}"
+        )
+    if response.status_code != 201:
+        raise ControlPlaneError(
+            f"enrolment failed: HTTP {response.status_code} {response.text[:300]}"
+        )
+    body = response.json()
+    if not isinstance(body, dict):
+        raise ControlPlaneError("enrolment answer is not a JSON object")
+    return body
 
 
 class ControlPlaneClient:

@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
+logger = logging.getLogger("agent")
+
 CREDENTIALS_FILE = "credentials.json"
+ENROL_PATIENCE_S = 300.0  # the control plane may still be starting
 _HEX_KEY = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -103,3 +108,48 @@ def credentials_save(state_dir: Path, credentials: AgentCredentials) -> Path:
         json.dump(asdict(credentials), file, indent=2, sort_keys=True)
     os.replace(partial, path)
     return path
+
+
+def credentials_obtain(
+    *, state_dir: Path, agent_name: str, enrolment_token: str, control_plane_url: str
+) -> AgentCredentials:
+    """This agent's credentials: the saved ones, unless an enrolment token they did not come
+    from is given (a first enrolment, or a rotation), which is traded for new ones."""
+    from agent.control_plane import ControlPlaneError, EnrolmentRefused, enrol
+
+    saved = credentials_load(state_dir)
+    if saved is not None and saved.agent != agent_name:
+        raise CredentialsError(
+            f"{credentials_path(state_dir)} holds agent {saved.agent!r}'s credentials"
+        )
+    if not enrolment_token or (saved and saved.enrolment_digest == token_digest(enrolment_token)):
+        if saved is None:
+            raise CredentialsError(
+                "not enrolled: give --enrolment-token-file (or AGENT_ENROLMENT_TOKEN) from "
+                "`manage.py agent_enrol NAME` or POST /api/v1/fleet/enrolments/"
+            )
+        return saved
+    deadline = time.monotonic() + ENROL_PATIENCE_S
+    delay = 1.0
+    while True:
+        try:
+            answer = enrol(base_url=control_plane_url, token=enrolment_token, timeout_s=10.0)
+            break
+        except EnrolmentRefused as exc:
+            raise CredentialsError(str(exc)) from exc
+        except ControlPlaneError as exc:
+            if time.monotonic() + delay > deadline:
+                raise CredentialsError(f"could not enrol: {exc}") from exc
+            logger.warning("enrolment: %s (retrying in %.0fs)", exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 15.0)
+    if answer.get("agent") != agent_name:
+        raise CredentialsError(
+            f"the enrolment token is for agent {answer.get('agent')!r}, not {agent_name!r}"
+        )
+    credentials = AgentCredentials.from_json(
+        {**answer, "enrolment_digest": token_digest(enrolment_token)}
+    )
+    path = credentials_save(state_dir, credentials)
+    logger.info("enrolled as %s; credentials in %s", agent_name, path)
+    return credentials

@@ -125,19 +125,27 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+# Each process connects as its role's Redis user (contracts/redis_roles.py): REDIS_URL is
+# this process's own; a web process that also serves the gateway, and tests that run every
+# role in one process, name the gateway's and ingest's users apart. REDIS_ADMIN_URL
+# manages users (`manage.py redis_users`, agent enrolment) and nothing else.
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+GATEWAY_REDIS_URL = os.environ.get("GATEWAY_REDIS_URL", REDIS_URL)
+INGEST_REDIS_URL = os.environ.get("INGEST_REDIS_URL", REDIS_URL)
+REDIS_ADMIN_URL = os.environ.get("REDIS_ADMIN_URL", REDIS_URL)
 # Timeouts of the control plane's Redis clients (core/redis_clients.py), in seconds.
 REDIS_SOCKET_TIMEOUT_S = float(os.environ.get("REDIS_SOCKET_TIMEOUT_S", "5"))
 REDIS_CONNECT_TIMEOUT_S = float(os.environ.get("REDIS_CONNECT_TIMEOUT_S", "2"))
 REDIS_STREAM_TIMEOUT_S = float(os.environ.get("REDIS_STREAM_TIMEOUT_S", "10"))
 GATEWAY_REDIS_TIMEOUT_S = float(os.environ.get("GATEWAY_REDIS_TIMEOUT_S", "2"))
 
+CHANNELS_PREFIX = os.environ.get("CHANNELS_PREFIX", "asgi")
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
         "CONFIG": {
             "hosts": [REDIS_URL],
-            "prefix": os.environ.get("CHANNELS_PREFIX", "asgi"),
+            "prefix": CHANNELS_PREFIX,
             "capacity": 1000,
             "expiry": 30,
         },
@@ -317,6 +325,14 @@ FLEET_LOST_AFTER_S = float(
 )
 FLEET_SAMPLE_RETENTION_S = int(os.environ.get("FLEET_SAMPLE_RETENTION_S", str(7 * 24 * 3600)))
 FLEET_COMMAND_TTL_S = float(os.environ.get("FLEET_COMMAND_TTL_S", "300"))
+# Agents' stream keys and the command-signing key pair derive from these
+# (controlplane.fleet.agent_keys).
+FLEET_AGENT_KEY = env_key("FLEET_AGENT_KEY", label=b"fleet-agent-key", secret_key=SECRET_KEY)
+FLEET_COMMAND_SIGNING_KEY = env_key(
+    "FLEET_COMMAND_SIGNING_KEY", label=b"fleet-command-signing-key", secret_key=SECRET_KEY
+)
+# An agent enrolment token is good for this long (and once).
+FLEET_ENROLMENT_TTL_S = float(os.environ.get("FLEET_ENROLMENT_TTL_S", str(24 * 3600)))
 # The key engine secrets are derived from (controlplane.fleet.engine_secrets).
 FLEET_ENGINE_KEY = env_key("FLEET_ENGINE_KEY", label=b"fleet-engine-key", secret_key=SECRET_KEY)
 

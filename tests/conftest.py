@@ -1,4 +1,5 @@
-"""Shared fixtures: the real Redis (a database of its own) and helpers for child processes."""
+"""Shared fixtures: the session's private Redis (tests/redis_server.py) and helpers for
+child processes."""
 
 import os
 import subprocess
@@ -22,10 +23,29 @@ IS_EXPLORING = os.environ.get("FUZZ_RANDOM") == "1"
 hypothesis.settings.load_profile("explore" if IS_EXPLORING else "repeatable")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def redis_role_users() -> None:
+    """The service roles' Redis users, as `manage.py redis_users` makes them (its own test
+    runs the command; this needs no database)."""
+    from contracts.redis_roles import ROLE_USERS
+    from controlplane.fleet.redis_users import (
+        redis_admin_client,
+        redis_default_user_disable,
+        redis_role_user_apply,
+    )
+
+    client = redis_admin_client()
+    for role in ROLE_USERS:
+        password = os.environ[f"REDIS_{role.upper()}_PASSWORD"]
+        redis_role_user_apply(client=client, role=role, password=password)
+    redis_default_user_disable(client=client)
+    client.close()
+
+
 @pytest.fixture
 def redis_client() -> Iterator[redis.Redis]:
-    """The test Redis database, emptied before and after the test."""
-    client = redis.Redis.from_url(settings.REDIS_URL, decode_responses=True)
+    """The test Redis (as its admin: a test looks at any key), emptied before and after."""
+    client = redis.Redis.from_url(settings.REDIS_ADMIN_URL, decode_responses=True)
     client.flushdb()
     yield client
     client.flushdb()

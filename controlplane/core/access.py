@@ -53,6 +53,10 @@ def can_command_agents(user: Any) -> bool:
     return role_of(user) in {Role.ADMIN, Role.RELEASE_MANAGER, Role.ON_CALL}
 
 
+def can_enrol_agents(user: Any) -> bool:
+    return is_admin(user)
+
+
 def can_register_agent(user: Any) -> bool:
     return role_of(user) in {Role.ADMIN, Role.AGENT}
 

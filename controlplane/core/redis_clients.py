@@ -11,7 +11,8 @@
 - `async_pubsub_client(url)`: a subscription waits for messages, so no reply timeout;
   a health check every 15 s finds a dead connection.
 
-Each takes the URL from `settings.REDIS_URL` unless given one.
+Each takes the URL of its role's Redis user from settings unless given one: REDIS_URL,
+INGEST_REDIS_URL for the stream reader, GATEWAY_REDIS_URL for the gateway's clients.
 """
 
 from typing import Any
@@ -54,7 +55,7 @@ def redis_client(
 
 def stream_reader(url: str | None = None) -> redis.Redis:
     return redis.Redis.from_url(
-        url or settings.REDIS_URL,
+        url or settings.INGEST_REDIS_URL,
         socket_timeout=settings.REDIS_STREAM_TIMEOUT_S,
         socket_connect_timeout=settings.REDIS_CONNECT_TIMEOUT_S,
         decode_responses=True,
@@ -63,7 +64,7 @@ def stream_reader(url: str | None = None) -> redis.Redis:
 
 
 def async_redis_client(url: str | None = None, **options: Any) -> aioredis.Redis:
-    url = url or settings.REDIS_URL
+    url = url or settings.GATEWAY_REDIS_URL
     options.setdefault("socket_timeout", settings.GATEWAY_REDIS_TIMEOUT_S)
     options.setdefault("socket_connect_timeout", min(1.0, settings.GATEWAY_REDIS_TIMEOUT_S))
     if HIREDIS_AVAILABLE and urlsplit(url).scheme == "redis":

@@ -54,6 +54,18 @@ class Agent(models.Model):
     registered_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
+    # Set at enrolment: the agent's own service account (its API token belongs to it; only it
+    # registers this name) and the SHA-256 of its Redis password (its ACL user's, re-applied
+    # by `manage.py redis_users`).
+    account = models.OneToOneField(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="fleet_agent",
+    )
+    redis_password_hash = models.CharField(max_length=64, blank=True)
+    enrolled_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -174,3 +186,23 @@ class AgentCommand(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} {self.command_id} -> {self.agent_id}"
+
+
+class AgentEnrolment(models.Model):
+    """A one-time token that lets one agent name enrol (or enrol again, rotating its
+    credentials). Only the token's SHA-256 is stored."""
+
+    agent_name = models.CharField(max_length=63, db_index=True)
+    token_hash = models.CharField(max_length=64, unique=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+    used_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"enrolment of {self.agent_name}"

@@ -127,3 +127,28 @@ class HistoryBucketSerializer(serializers.Serializer):
     power_watts_max = serializers.FloatField()
     ttft_p95_max_s = serializers.FloatField(allow_null=True)
     itl_p95_max_s = serializers.FloatField(allow_null=True)
+
+
+class EnrolmentCreateSerializer(StrictSerializer):
+    agent_name = serializers.RegexField(AGENT_NAME_PATTERN)
+    ttl_s = serializers.FloatField(required=False, min_value=60, max_value=30 * 24 * 3600)
+
+
+class EnrolmentCreatedSerializer(serializers.Serializer):
+    agent_name = serializers.CharField()
+    token = serializers.CharField()
+    expires_at = serializers.DateTimeField()
+
+
+class EnrolSerializer(StrictSerializer):
+    token = serializers.CharField(max_length=200)
+
+
+class EnrolledSerializer(serializers.Serializer):
+    agent = serializers.CharField()
+    api_token = serializers.CharField()
+    redis_username = serializers.CharField()
+    redis_password = serializers.CharField()
+    stream_key = serializers.CharField()
+    command_public_key = serializers.CharField()
+    trusted_keys = serializers.DictField(child=serializers.CharField())

@@ -44,8 +44,6 @@ from controlplane.registry.models import LOADABLE_STATUSES, ModelVersion
 
 logger = logging.getLogger(__name__)
 
-RESERVED_AGENT_NAMES = frozenset({"register"})
-
 
 def fleet_event_publish(event: str, payload: dict[str, Any]) -> None:
     """Send one live event to the dashboard's fleet group (and the broadcast group for now)."""
@@ -82,18 +80,18 @@ def agent_register(
     inventory: dict[str, Any],
     energy_source: str,
 ) -> tuple[Agent, bool]:
-    """Create or refresh an agent by name; (agent, created). Agents re-register at every start
-    and after every Redis outage, so only a new agent or a changed host is audited."""
+    """Refresh an enrolled agent's registration; (agent, is_first). Agents re-register at
+    every start and after every Redis outage, so only the first registration or a changed
+    host is audited. Only the agent's own account (from its enrolment) registers its name."""
     if not access.can_register_agent(actor):
-        raise Forbidden("Only the agent service account (or an admin) registers agents.")
-    if name in RESERVED_AGENT_NAMES:
-        raise DomainError("reserved_name", f"{name!r} is reserved.", fields={"name": [name]})
+        raise Forbidden("Only an enrolled agent (or an admin) registers agents.")
     now = timezone.now()
-    # get_or_create settles two first registrations racing (the unique name decides).
-    _, created = Agent.objects.get_or_create(
-        name=name, defaults={"registered_at": now, "host": host, "state": AgentState.IDLE}
-    )
-    agent = Agent.objects.select_for_update().get(name=name)
+    agent = Agent.objects.select_for_update().filter(name=name).first()
+    if agent is None or agent.enrolled_at is None:
+        raise Conflict("agent_not_enrolled", f"Agent {name!r} is not enrolled; enrol it first.")
+    if not access.is_admin(actor) and agent.account_id != getattr(actor, "pk", None):
+        raise Forbidden(f"These credentials are not agent {name!r}'s.")
+    created = not agent.host
     before = None if created else agent.snapshot()
     is_moved = not created and agent.host != host
     agent.host = host

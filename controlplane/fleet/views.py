@@ -6,17 +6,22 @@ from typing import Any
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import generics, status
+from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane.core import access
 from controlplane.core.permissions import allows, allows_by_method
-from controlplane.fleet import selectors, services
+from controlplane.fleet import enrolment, selectors, services
 from controlplane.fleet.serializers import (
     AgentCommandSerializer,
     AgentSerializer,
     CommandRequestSerializer,
+    EnrolledSerializer,
+    EnrolmentCreatedSerializer,
+    EnrolmentCreateSerializer,
+    EnrolSerializer,
     HistoryBucketSerializer,
     HistoryQuerySerializer,
     RegistrationSerializer,
@@ -126,3 +131,36 @@ class AgentRegisterView(APIView):
             AgentSerializer(agent).data,
             status=status.HTTP_201_CREATED if created else status.HTTP_200_OK,
         )
+
+
+class EnrolmentCreateView(APIView):
+    """An admin issues a one-time enrolment token for an agent name (shown once)."""
+
+    permission_classes = [allows(access.can_enrol_agents)]
+
+    @extend_schema(request=EnrolmentCreateSerializer, responses={201: EnrolmentCreatedSerializer})
+    def post(self, request: Request) -> Response:
+        serializer = EnrolmentCreateSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        created = enrolment.agent_enrolment_create(actor=request.user, **serializer.validated_data)
+        body = {
+            "agent_name": created.enrolment.agent_name,
+            "token": created.raw_token,
+            "expires_at": created.enrolment.expires_at,
+        }
+        return Response(EnrolmentCreatedSerializer(body).data, status=status.HTTP_201_CREATED)
+
+
+class AgentEnrolView(APIView):
+    """An agent trades its enrolment token, once, for its own credentials; the token is
+    the credential, so no other authentication is asked."""
+
+    authentication_classes: list[type] = []
+    permission_classes = [AllowAny]
+
+    @extend_schema(request=EnrolSerializer, responses={201: EnrolledSerializer})
+    def post(self, request: Request) -> Response:
+        serializer = EnrolSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        credentials = enrolment.agent_enrol(token=serializer.validated_data["token"])
+        return Response(EnrolledSerializer(credentials).data, status=status.HTTP_201_CREATED)

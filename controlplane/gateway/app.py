@@ -101,8 +101,8 @@ class Gateway:
             if self.is_started:
                 return
             self.redis = async_redis_client()
-            self.pubsub_redis = async_pubsub_client()
-            self.sync_redis = redis_client()
+            self.pubsub_redis = async_pubsub_client(settings.GATEWAY_REDIS_URL)
+            self.sync_redis = redis_client(url=settings.GATEWAY_REDIS_URL)
             self.relay = Relay(
                 UpstreamPool(
                     connect_timeout_s=settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT_S,

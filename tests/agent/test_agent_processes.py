@@ -6,6 +6,7 @@ Each test starts its own processes; nothing here is mocked.
 
 import importlib.util
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -23,21 +24,24 @@ from django.conf import settings
 from django.test import override_settings
 from rest_framework.test import APIClient
 
+from contracts.redis_roles import CONTROLPLANE_USER, INGEST_USER
 from contracts.streams import (
     HEARTBEATS_STREAM,
     RESULTS_STREAM,
     commands_stream,
     parse_command_result,
 )
-from controlplane.accounts.services import access_token_create
 from controlplane.core.roles import Role
 from controlplane.fleet.engine_secrets import engine_secrets_payload
+from controlplane.fleet.enrolment import agent_enrolment_create
 from controlplane.fleet.models import Agent, AgentCommand, AgentSample
+from controlplane.fleet.redis_users import redis_acl_save, redis_role_user_apply
 from controlplane.registry import services as registry_services
 from controlplane.registry import store
 from controlplane.registry.models import Model, SigningKey
 from tests.api.support import Signer, make_user
 from tests.conftest import PYTHON, start_process, stop_process, wait_until
+from tests.redis_server import AclRedis
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -106,10 +110,7 @@ class Fleet:
 
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
-        agent_user = make_user("agent-service", Role.AGENT)
         self.release_manager = make_user("release-manager", Role.RELEASE_MANAGER)
-        self.token_file = tmp_path / "agent-token"
-        self.token_file.write_text(access_token_create(user=agent_user, name="agents").raw_token)
         self.signer = Signer("release-key", _new_private_key())
         SigningKey.objects.create(
             key_id=self.signer.key_id, public_key=self.signer.public_key_b64, is_trusted=True
@@ -170,15 +171,18 @@ def ingest_args() -> list[str]:
 
 
 class AgentFiles(Protocol):
-    """What `agent_args` reads of a fleet: the agents' token file and their state root."""
+    """What `agent_args` needs of a fleet: the root of the agents' state directories."""
 
-    token_file: Path
     tmp_path: Path
 
 
 def agent_args(
     name: str, port: int, redis_url: str, control_plane: str, fleet: AgentFiles
 ) -> list[str]:
+    """An agent process that enrols at its first start with a token made as an admin would
+    (`redis_url` names the server; the agent connects as its own Redis user)."""
+    token_file = fleet.tmp_path / f"{name}.enrolment-token"
+    token_file.write_text(agent_enrolment_create(actor=None, agent_name=name).raw_token)
     return [
         PYTHON,
         "-m",
@@ -191,8 +195,8 @@ def agent_args(
         redis_url,
         "--control-plane",
         control_plane,
-        "--token-file",
-        str(fleet.token_file),
+        "--enrolment-token-file",
+        str(token_file),
         "--state-dir",
         str(fleet.tmp_path / name),
         "--threads",
@@ -393,32 +397,27 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
 
 def test_redis_restart_does_not_stop_ingest_or_agents(fleet, live_server, tmp_path) -> None:
     stable = fleet.version("f32", MODEL_FILE)
-    redis_port = free_port_pair()
+    # A Redis of its own, with ACLs: its users live in its ACL file, so they survive the
+    # restart below as they would in production.
     redis_dir = tmp_path / "redis"
     redis_dir.mkdir()
-    redis_url = f"redis://127.0.0.1:{redis_port}/0"
-    redis_args = [
-        shutil.which("redis-server") or "redis-server",
-        "--port",
-        str(redis_port),
-        "--bind",
-        "127.0.0.1",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--dir",
-        str(redis_dir),
-    ]
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    server = AclRedis(redis_dir, port=free_port_pair())
+    redis_args = server.args()
+    passwords = {role: secrets.token_hex(16) for role in (CONTROLPLANE_USER, INGEST_USER)}
+    redis_url = server.url(CONTROLPLANE_USER, passwords[CONTROLPLANE_USER])
+    ingest_url = server.url(INGEST_USER, passwords[INGEST_USER])
+    client = redis.Redis.from_url(server.admin_url, decode_responses=True)
     port = free_port_pair()
     ingest_log, agent_log = tmp_path / "ingest.log", tmp_path / "agent.log"
-    env = {"REDIS_URL": redis_url}
+    env = {"REDIS_URL": ingest_url, "INGEST_REDIS_URL": ingest_url}
     with (
-        override_settings(REDIS_URL=redis_url),
+        override_settings(REDIS_URL=redis_url, REDIS_ADMIN_URL=server.admin_url),
         running(redis_args, tmp_path / "redis-1.log") as redis_server,
     ):
         wait_until(lambda: _pings(client), timeout=20)
+        for role, password in passwords.items():
+            redis_role_user_apply(client=client, role=role, password=password)
+        redis_acl_save(client=client)
         with (
             running(ingest_args(), ingest_log, **env),
             running(

@@ -11,7 +11,7 @@ from tests.fleet.support import register
 
 @pytest.fixture
 def agent(users) -> Agent:
-    return register(actor=users["agent"])
+    return register()
 
 
 @pytest.fixture

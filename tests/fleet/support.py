@@ -10,7 +10,7 @@ from contracts.streams import (
     EnergySource,
     Heartbeat,
 )
-from controlplane.fleet import services
+from controlplane.fleet import enrolment, services
 from controlplane.fleet.models import Agent
 
 
@@ -67,9 +67,20 @@ def entry_id_at(sent_at: float) -> str:
     return f"{int(sent_at * 1000)}-0"
 
 
-def register(name: str = "agent-1", *, actor: Any, host: str = "host-a") -> Agent:
+def enrol(name: str = "agent-1") -> dict[str, Any]:
+    """Enrol `name` as an admin would and the agent does: its credentials (and Redis user)."""
+    created = enrolment.agent_enrolment_create(actor=None, agent_name=name)
+    return enrolment.agent_enrol(token=created.raw_token)
+
+
+def register(name: str = "agent-1", *, host: str = "host-a") -> Agent:
+    """An enrolled agent registered with its own account, as the agent process does."""
+    row = Agent.objects.filter(name=name, enrolled_at__isnull=False).first()
+    if row is None:
+        enrol(name)
+        row = Agent.objects.get(name=name)
     agent, _ = services.agent_register(
-        actor=actor,
+        actor=row.account,
         name=name,
         host=host,
         endpoint="",

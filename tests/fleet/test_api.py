@@ -1,7 +1,6 @@
 """The fleet API over HTTP: reading agents, sending audited commands, agent registration."""
 
 import pytest
-from rest_framework.test import APIClient
 
 from contracts.streams import (
     AgentState,
@@ -10,7 +9,6 @@ from contracts.streams import (
     parse_command,
     parse_load_payload,
 )
-from controlplane.accounts.services import access_token_create
 from controlplane.audit.models import AuditEvent
 from controlplane.fleet.models import Agent, AgentCommand
 from controlplane.registry import services as registry_services
@@ -211,33 +209,6 @@ def test_command_list_and_detail(client_for, agent, redis_client) -> None:
     assert detail.json()["status"] == "pending"
 
 
-def test_agent_service_account_registers_with_its_bearer_token(users) -> None:
-    token = access_token_create(user=users["agent"], name="agent-1").raw_token
-    client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
-    created = client.post("/api/v1/fleet/agents/register/", REGISTRATION, format="json")
-    assert created.status_code == 201, created.content
-    assert created.json()["accelerator"] == "NVIDIA H100"
-    assert created.json()["state"] == "idle"
-    again = client.post("/api/v1/fleet/agents/register/", REGISTRATION, format="json")
-    assert again.status_code == 200
-    assert AuditEvent.objects.filter(action="agent.register").count() == 1
-    moved = client.post(
-        "/api/v1/fleet/agents/register/", {**REGISTRATION, "host": "node-4"}, format="json"
-    )
-    assert moved.status_code == 200
-    assert AuditEvent.objects.filter(action="agent.register").count() == 2
-
-
-def test_registration_brings_a_lost_agent_back(client_for, agent) -> None:
-    Agent.objects.filter(pk=agent.pk).update(state="lost")
-    response = client_for("agent").post(
-        "/api/v1/fleet/agents/register/", {**REGISTRATION, "name": "agent-1"}, format="json"
-    )
-    assert response.status_code == 200
-    assert response.json()["state"] == "idle"
-
-
 @pytest.mark.parametrize("principal", ["release_manager", "on_call", "viewer", "tenant_member"])
 def test_only_the_agent_role_registers_agents(client_for, principal) -> None:
     before = audit_count()
@@ -246,18 +217,3 @@ def test_only_the_agent_role_registers_agents(client_for, principal) -> None:
     )
     assert_error(response, 403, "permission_denied")
     assert (Agent.objects.count(), audit_count()) == (0, before)
-
-
-def test_registration_is_validated(client_for) -> None:
-    client = client_for("agent")
-    url = "/api/v1/fleet/agents/register/"
-    assert_error(
-        client.post(url, {**REGISTRATION, "name": "Bad Name"}, format="json"), 400, "invalid"
-    )
-    assert_error(
-        client.post(url, {**REGISTRATION, "name": "register"}, format="json"), 400, "reserved_name"
-    )
-    assert_error(
-        client.post(url, {**REGISTRATION, "energy_source": "guess"}, format="json"), 400, "invalid"
-    )
-    assert Agent.objects.count() == 0

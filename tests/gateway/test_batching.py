@@ -60,7 +60,7 @@ def test_entries_of_many_concurrent_requests_arrive_exactly_once(redis_client, t
     wait_for_fresh_window(redis_client, needed_s=5)
 
     async def scenario() -> list[Admission | Exception]:
-        client = async_redis_client(settings.REDIS_URL)
+        client = async_redis_client(settings.GATEWAY_REDIS_URL)
         try:
             await client.script_flush()  # the batcher loads its scripts when Redis lacks them
             batcher = RedisBatcher(client, spool)
@@ -89,7 +89,7 @@ def test_a_batch_redis_refuses_spools_every_entry_and_still_admits(redis_client,
     spool = Spool(tmp_path / "spool", max_bytes=1 << 20)
 
     async def scenario() -> list[Admission | Exception]:
-        client = async_redis_client(settings.REDIS_URL)
+        client = async_redis_client(settings.GATEWAY_REDIS_URL)
         try:
             return await serve_requests(RedisBatcher(client, spool), 40, requests_per_minute=1_000)
         finally:
@@ -122,7 +122,7 @@ def test_closing_writes_what_is_queued(redis_client, tmp_path, gather_s) -> None
     spool = Spool(tmp_path / "spool", max_bytes=1 << 20)
 
     async def scenario() -> None:
-        client = async_redis_client(settings.REDIS_URL)
+        client = async_redis_client(settings.GATEWAY_REDIS_URL)
         try:
             batcher = RedisBatcher(client, spool, gather_s=gather_s)
             runner = asyncio.create_task(batcher.run())
@@ -147,7 +147,7 @@ def test_an_admission_counts_every_settlement_queued_before_it(redis_client, tmp
     wait_for_fresh_window(redis_client, needed_s=5)
 
     async def scenario() -> list[Admission]:
-        client = async_redis_client(settings.REDIS_URL)
+        client = async_redis_client(settings.GATEWAY_REDIS_URL)
         batcher = RedisBatcher(client, spool)
         runner = asyncio.create_task(batcher.run())
         admissions = []

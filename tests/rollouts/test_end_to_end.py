@@ -36,7 +36,6 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from contracts.routing import parse_routing_table, routing_key
-from controlplane.accounts.services import access_token_create
 from controlplane.audit.models import AuditEvent
 from controlplane.core.roles import Role
 from controlplane.fleet.models import Agent
@@ -231,11 +230,8 @@ def stack(committed_db, django_db_blocker, tmp_path_factory) -> Iterator[Stack]:
     env = {**CHILD_ENV, "ARTIFACT_ROOT": str(store)}
     with django_db_blocker.unblock(), override_settings(ARTIFACT_ROOT=store):
         try:
-            agent_user = make_user("agent-service", Role.AGENT)
             on_call = make_user("on-call", Role.ON_CALL)
             release_manager = make_user("release-manager", Role.RELEASE_MANAGER)
-            token_file = tmp / "agent-token"
-            token_file.write_text(access_token_create(user=agent_user, name="agents").raw_token)
             signer = Signer("release-key", _new_private_key())
             SigningKey.objects.create(
                 key_id=signer.key_id, public_key=signer.public_key_b64, is_trusted=True
@@ -261,8 +257,7 @@ def stack(committed_db, django_db_blocker, tmp_path_factory) -> Iterator[Stack]:
             start("beat", [*CELERY, "beat", "--loglevel", "INFO",
                            "--schedule", str(tmp / "beat-schedule")])  # fmt: skip
 
-            class Holder:  # agent_args reads token_file and tmp_path
-                token_file = tmp / "agent-token"
+            class Holder:  # agent_args keeps the agents' state under tmp_path
                 tmp_path = tmp
 
             # The gateway process serves the whole ASGI application: the agents reach the

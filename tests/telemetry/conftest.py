@@ -38,7 +38,7 @@ class LiveGroupListener:
 
     def close(self) -> None:
         self.loop.run_until_complete(self.layer.group_discard(FLEET_LIVE_GROUP, self.channel))
-        self.loop.run_until_complete(self.layer.flush())
+        self.loop.run_until_complete(self.layer.close_pools())  # redis_client empties the keys
         self.loop.close()
 
 

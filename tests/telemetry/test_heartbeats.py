@@ -60,7 +60,7 @@ def pending(redis_client, stream: str = HEARTBEATS_STREAM) -> int:
 
 
 def test_heartbeat_updates_the_agent_and_its_rollup(redis_client, users) -> None:
-    register(actor=users["agent"])
+    register()
     ingestor = make_ingestor(redis_client)
     sent_at = recent_minute() + 3
     publish(redis_client, heartbeat(seq=1, sent_at=sent_at), entry_id_at(sent_at))
@@ -89,7 +89,7 @@ def test_heartbeat_updates_the_agent_and_its_rollup(redis_client, users) -> None
 
 
 def test_redelivered_and_reordered_heartbeats_change_nothing(redis_client, users) -> None:
-    agent = register(actor=users["agent"])
+    agent = register()
     handler = stream_handlers()[HEARTBEATS_STREAM]
     sent_at = recent_minute()
     older = handler.parse(
@@ -115,7 +115,7 @@ def test_redelivered_and_reordered_heartbeats_change_nothing(redis_client, users
 def test_malformed_entries_are_counted_and_dropped_without_stopping_ingest(
     redis_client, users
 ) -> None:
-    register(actor=users["agent"])
+    register()
     ingestor = make_ingestor(redis_client)
     before = metric("ingest_malformed_entries_total", stream=HEARTBEATS_STREAM)
     good = heartbeat(seq=7)
@@ -145,7 +145,7 @@ def test_heartbeats_of_unregistered_agents_are_dropped(redis_client, users) -> N
 
 
 def test_entries_left_pending_by_a_dead_consumer_are_claimed(redis_client, users) -> None:
-    register(actor=users["agent"])
+    register()
     make_ingestor(redis_client)  # creates the group
     publish(redis_client, heartbeat(seq=3))
     # A consumer reads the entry and dies before acknowledging it.
@@ -159,8 +159,8 @@ def test_entries_left_pending_by_a_dead_consumer_are_claimed(redis_client, users
 
 
 def test_a_silent_agent_is_marked_lost_audited_and_announced(users, live_group) -> None:
-    register(actor=users["agent"])
-    register("agent-2", actor=users["agent"])
+    register()
+    register("agent-2")
     now = timezone.now()
     Agent.objects.filter(name="agent-1").update(
         state="ready", last_seen=now - timedelta(seconds=3.5)
@@ -201,7 +201,7 @@ def test_a_silent_agent_is_marked_lost_audited_and_announced(users, live_group) 
 
 
 def test_a_lost_agent_that_heartbeats_again_comes_back(redis_client, users, live_group) -> None:
-    register(actor=users["agent"])
+    register()
     Agent.objects.filter(name="agent-1").update(state="lost")
     live_group.events()
     ingestor = make_ingestor(redis_client)
@@ -217,7 +217,7 @@ def test_a_lost_agent_that_heartbeats_again_comes_back(redis_client, users, live
 
 
 def test_ticker_publishes_live_figures(redis_client, users, live_group) -> None:
-    register(actor=users["agent"])
+    register()
     live = LiveFleet()
     handler = stream_handlers()[HEARTBEATS_STREAM]
     assert isinstance(handler, HeartbeatHandler)
@@ -247,7 +247,7 @@ def test_ticker_publishes_live_figures(redis_client, users, live_group) -> None:
 
 
 def test_history_derives_sums_from_cumulative_totals(users) -> None:
-    agent = register(actor=users["agent"])
+    agent = register()
     handler = stream_handlers()[HEARTBEATS_STREAM]
     start = recent_minute()
     items = []
@@ -274,7 +274,7 @@ def test_history_derives_sums_from_cumulative_totals(users) -> None:
 def test_a_result_that_overtakes_its_commands_commit_is_not_lost(redis_client, users) -> None:
     """The sender writes the stream entry just before it commits; a quick agent can answer
     first. Ingest waits for the commit (the agent row's lock) instead of dropping it."""
-    register(actor=users["agent"])
+    register()
     ingestor = make_ingestor(redis_client)
     sent = threading.Event()
     command_ids: list[str] = []
@@ -310,7 +310,7 @@ def test_a_result_that_overtakes_its_commands_commit_is_not_lost(redis_client, u
 
 
 def test_command_results_move_the_command_forward_only(redis_client, users) -> None:
-    agent = register(actor=users["agent"])
+    agent = register()
     command = AgentCommand.objects.create(command_id="a" * 32, agent=agent, kind="drain")
     ingestor = make_ingestor(redis_client)
 
@@ -339,7 +339,7 @@ def test_command_results_move_the_command_forward_only(redis_client, users) -> N
 
 
 def test_rollups_past_retention_are_pruned(users, settings) -> None:
-    agent = register(actor=users["agent"])
+    agent = register()
     handler = stream_handlers()[HEARTBEATS_STREAM]
     old = time.time() - 3600
     handler.apply(
@@ -365,7 +365,7 @@ def test_heartbeat_fields_are_flat_strings_that_round_trip() -> None:
 
 
 def test_ticks_run_under_load_and_say_whether_ingest_is_caught_up(redis_client, users) -> None:
-    register(actor=users["agent"])
+    register()
     calls: list[bool] = []
     ingestor = make_ingestor(redis_client, batch_size=2, on_tick=calls.append, tick_every_s=0)
     for seq in range(1, 4):
@@ -422,8 +422,8 @@ def _fleet_snapshot() -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]
 def test_a_batch_gives_the_same_rows_as_its_heartbeats_one_at_a_time(users) -> None:
     import random
 
-    register(actor=users["agent"])
-    register("agent-2", actor=users["agent"])
+    register()
+    register("agent-2")
     seen = timezone.now()
     Agent.objects.update(last_seen=seen)
     handler = stream_handlers()[HEARTBEATS_STREAM]
@@ -500,8 +500,8 @@ def _difference(after: dict, before: dict) -> dict[str, tuple[int, int]]:
 
 
 def test_a_batch_writes_each_agent_once_and_each_rollup_once(users) -> None:
-    register(actor=users["agent"])
-    register("agent-2", actor=users["agent"])
+    register()
+    register("agent-2")
     handler = stream_handlers()[HEARTBEATS_STREAM]
     beats = _coalescing_heartbeats()
     first = [
@@ -530,7 +530,7 @@ def test_a_batch_writes_each_agent_once_and_each_rollup_once(users) -> None:
 
 
 def test_entries_the_database_would_refuse_are_dropped_as_malformed(redis_client, users) -> None:
-    register(actor=users["agent"])
+    register()
     ingestor = make_ingestor(stream_reader())
     before = metric("ingest_malformed_entries_total", stream=HEARTBEATS_STREAM)
     good = heartbeat(seq=7).to_fields()
@@ -559,7 +559,7 @@ def test_entries_the_database_would_refuse_are_dropped_as_malformed(redis_client
 def test_a_heartbeat_dated_ahead_is_refused_counted_and_changes_nothing(
     redis_client, users
 ) -> None:
-    register(actor=users["agent"])
+    register()
     ingestor = make_ingestor(redis_client)
     publish(redis_client, heartbeat(seq=1))
     drain(ingestor)
@@ -586,7 +586,7 @@ def test_a_heartbeat_dated_ahead_is_refused_counted_and_changes_nothing(
 
 
 def test_a_heartbeat_sent_long_before_redis_took_it_is_refused(redis_client, users) -> None:
-    register(actor=users["agent"])
+    register()
     ingestor = make_ingestor(redis_client)
     refused = metric("fleet_heartbeats_refused_total", reason="clock_behind")
     publish(redis_client, heartbeat(seq=1, sent_at=time.time() - 600))
@@ -598,7 +598,7 @@ def test_a_heartbeat_sent_long_before_redis_took_it_is_refused(redis_client, use
 
 def test_a_backlog_read_late_is_not_refused_for_its_age(redis_client, users) -> None:
     """An entry's age is judged by when Redis took it, not by when ingest reads it."""
-    register(actor=users["agent"])
+    register()
     ingestor = make_ingestor(redis_client)
     sent_at = time.time() - 600  # ingest was down for ten minutes
     publish(redis_client, heartbeat(seq=1, sent_at=sent_at), entry_id_at(sent_at))
@@ -609,11 +609,11 @@ def test_a_backlog_read_late_is_not_refused_for_its_age(redis_client, users) -> 
 def test_registering_again_resets_the_order_of_heartbeats(redis_client, users) -> None:
     """A send time applied before (a clock that jumped, or a forged entry) no longer makes
     the new process's heartbeats look older once the agent registers again."""
-    register(actor=users["agent"])
+    register()
     Agent.objects.filter(name="agent-1").update(
         last_sent_at=timezone.now() + timedelta(days=365), last_seq=99
     )
-    register(actor=users["agent"])
+    register()
     ingestor = make_ingestor(redis_client)
     publish(redis_client, heartbeat(seq=1, running=6))
     drain(ingestor)

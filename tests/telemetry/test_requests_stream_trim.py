@@ -91,7 +91,7 @@ def lost_total() -> float:
 
 async def gateway_writes(setup: Setup, records: list[RequestRecord], spool: Spool) -> None:
     """The gateway's batcher writes the entries, ten to a batch."""
-    client = async_redis_client(django_settings.REDIS_URL)
+    client = async_redis_client(django_settings.GATEWAY_REDIS_URL)
     try:
         batcher = RedisBatcher(client, spool)
         runner = asyncio.create_task(batcher.run())
