@@ -107,13 +107,14 @@ class DemoStack:
                                   "--loglevel", "WARNING", "--schedule",
                                   str(tmp / "beat-schedule")])  # fmt: skip
             stack._spawn("ingest", [PYTHON, "manage.py", "ingest"])
-            for index in (1, 2):
-                stack._spawn(f"agent-{index}", [
-                    PYTHON, "-m", "agent", "--name", f"bench-agent-{index}",
+            # seed_demo wrote each demo agent a one-time enrolment token.
+            for name in ("agent-1", "agent-2"):
+                stack._spawn(name, [
+                    PYTHON, "-m", "agent", "--name", name,
                     "--port", str(free_port()), "--redis", redis_url,
                     "--control-plane", stack.web_url,
-                    "--credentials-file", str(demo / "credentials.json"),
-                    "--state-dir", str(demo / "agents" / f"agent-{index}"), "--threads", "1",
+                    "--enrolment-token-file", str(demo / "agents" / f"{name}.enrolment-token"),
+                    "--state-dir", str(demo / "agents" / name), "--threads", "1",
                 ])  # fmt: skip
         except BaseException:
             stack.stop()

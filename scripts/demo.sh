@@ -5,44 +5,31 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export DEBUG="${DEBUG:-1}"
-# The demo keeps to a Redis database of its own, so that it can start clean.
-DEMO_OWNS_REDIS=0
-if [ -z "${REDIS_URL:-}" ]; then DEMO_OWNS_REDIS=1; fi
-export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/3}"
 export WEB_PORT="${WEB_PORT:-8000}"
 export DEMO_DIR="${DEMO_DIR:-$PWD/.demo}"
 export LOG_FORMAT="${LOG_FORMAT:-plain}"
 export PYTHONUNBUFFERED=1
 mkdir -p "$DEMO_DIR"
 
-if ! .venv/bin/python - "$REDIS_URL" <<'PY'
-import sys, redis
-try:
-    redis.Redis.from_url(sys.argv[1], socket_connect_timeout=2).ping()
-except redis.RedisError as exc:
-    sys.exit(f"{exc}")
-PY
-then
-  cat >&2 <<MSG
-
-The demo needs Redis and none answers at REDIS_URL=$REDIS_URL.
-Start one, then run 'make demo' again:
-    redis-server --daemonize yes --port 6379
-or point REDIS_URL at an existing server (e.g. REDIS_URL=redis://host:6379/0 make demo).
-MSG
+command -v redis-server >/dev/null || {
+  echo "The demo runs its own Redis and needs redis-server (apt-get install redis-server)." >&2
   exit 1
-fi
+}
+# shellcheck source=scripts/demo_redis.sh
+. scripts/demo_redis.sh
+export REDIS_URL="$REDIS_CONTROLPLANE_URL"  # migrate and seed run as the control plane
 
 # A new demo database must not meet streams, routing tables and queued tasks left
 # in Redis by an earlier demo whose database was removed.
-if [ -z "${DATABASE_URL:-}" ] && [ ! -f "$DEMO_DIR/controlplane.sqlite3" ] && [ "$DEMO_OWNS_REDIS" = 1 ]; then
-  echo "demo: new demo database; emptying the demo's Redis database ($REDIS_URL)"
-  .venv/bin/python -c "import redis, sys; redis.Redis.from_url(sys.argv[1]).flushdb()" "$REDIS_URL"
+if [ -z "${DATABASE_URL:-}" ] && [ ! -f "$DEMO_DIR/controlplane.sqlite3" ]; then
+  echo "demo: new demo database; emptying the demo's Redis"
+  redis-cli -u "$REDIS_ADMIN_URL" --no-auth-warning flushdb >/dev/null
 fi
 
 echo "demo: migrating ${DATABASE_URL:-the SQLite file in $DEMO_DIR}"
 .venv/bin/python manage.py migrate --noinput
 .venv/bin/python manage.py seed_demo
+.venv/bin/python manage.py redis_users
 
 cat <<MSG
 
@@ -52,4 +39,6 @@ cat <<MSG
   (credentials above; Ctrl-C stops every process)
 
 MSG
-exec .venv/bin/honcho start -f Procfile
+trap demo_redis_stop EXIT
+unset REDIS_URL
+.venv/bin/honcho start -f Procfile

@@ -9,6 +9,7 @@ from rest_framework.test import APIClient
 
 from controlplane.accounts.models import AccessToken, Membership
 from controlplane.audit.models import AuditEvent
+from controlplane.fleet.models import AgentEnrolment
 from controlplane.registry.models import Artifact, Model, ModelVersion, SigningKey
 from controlplane.tenants.models import ApiKey, Tenant
 from controlplane.tenants.selectors import api_key_authenticate
@@ -22,6 +23,7 @@ COUNTED = [
     ApiKey,
     Membership,
     AccessToken,
+    AgentEnrolment,
     AuditEvent,
 ]
 
@@ -32,7 +34,7 @@ def counts() -> dict[str, int]:
 
 @pytest.mark.slow
 @pytest.mark.django_db
-def test_seed_demo_twice(tmp_path, capsys) -> None:
+def test_seed_demo_twice(tmp_path, capsys, redis_client) -> None:
     demo_dir = tmp_path / "demo"
     with override_settings(DEMO_DIR=demo_dir, ARTIFACT_ROOT=demo_dir / "artifacts"):
         call_command("seed_demo")
@@ -47,7 +49,8 @@ def test_seed_demo_twice(tmp_path, capsys) -> None:
         assert first["Artifact"] == 2
         assert first["Tenant"] == 2
         assert first["ApiKey"] == 2
-        assert first["Membership"] == 7
+        assert first["Membership"] == 6
+        assert first["AgentEnrolment"] == 2
         smol = ModelVersion.objects.filter(model__name="SmolLM2-135M-Instruct").order_by("label")
         assert [(v.label, v.serving_config["dtype"], v.status) for v in smol] == [
             ("q4_1-bf16", "bfloat16", "verified"),
@@ -68,9 +71,16 @@ def test_seed_demo_twice(tmp_path, capsys) -> None:
             assert authenticated[1].slug == slug
         assert credentials["users"]["release"]["role"] == "release_manager"
 
-        # The agent's token downloads (and resumes) the artifact it will serve.
+        # Each demo agent's one-time token enrols it; its own token then downloads (and
+        # resumes) the artifact it will serve.
+        token_file = demo_dir / "agents" / "agent-1.enrolment-token"
+        assert oct(token_file.stat().st_mode & 0o777) == "0o600"
+        enrolled = APIClient().post(
+            "/api/v1/fleet/agents/enrol/", {"token": token_file.read_text().strip()}, format="json"
+        )
+        assert enrolled.status_code == 201, enrolled.content
         agent = APIClient()
-        agent.credentials(HTTP_AUTHORIZATION=f"Bearer {credentials['agent_token']}")
+        agent.credentials(HTTP_AUTHORIZATION=f"Bearer {enrolled.json()['api_token']}")
         response = agent.get(f"/api/v1/artifacts/{smol[0].artifact_id}", HTTP_RANGE="bytes=0-3")
         assert response.status_code == 206
         assert b"".join(response.streaming_content) == b"GGUF"

@@ -1,7 +1,7 @@
 """`manage.py seed_demo`: the demo's models, versions, tenants, users, keys and credentials.
 
 Idempotent: a second run changes nothing (it re-prints the stored credentials). The raw
-secrets it creates (agent token, tenant API keys) are kept in DEMO_DIR/credentials.json so
+secrets it creates (tenant API keys, users' passwords) are kept in DEMO_DIR/credentials.json so
 other demo processes (agents, load generator) can read them; the demo signing key's private
 half stays in DEMO_DIR/demo-signing-key.json.
 """
@@ -19,12 +19,15 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
+from django.utils import timezone
 
 from contracts.signing import signed_message
 from controlplane.accounts import services as account_services
-from controlplane.accounts.models import AccessToken, Membership
+from controlplane.accounts.models import Membership
 from controlplane.core.credentials import secret_hash
 from controlplane.core.roles import Role
+from controlplane.fleet import enrolment
+from controlplane.fleet.models import Agent, AgentEnrolment
 from controlplane.registry import services as registry_services
 from controlplane.registry.models import Model, ModelVersion, SigningKey, Task, VersionStatus
 from controlplane.rollouts import deployments
@@ -35,7 +38,7 @@ from controlplane.tenants.models import ApiKey, Tenant
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SIGNING_KEY_ID = "demo-release-key"
 
-# (username, password, role, tenant slug); the agent is a service account with a token only.
+# (username, password, role, tenant slug).
 DEMO_USERS = [
     ("admin", "admin-demo-password", Role.ADMIN, None),
     ("release", "release-demo-password", Role.RELEASE_MANAGER, None),
@@ -43,8 +46,10 @@ DEMO_USERS = [
     ("viewer", "viewer-demo-password", Role.VIEWER, None),
     ("acme-member", "acme-demo-password", Role.TENANT_MEMBER, "acme"),
     ("globex-member", "globex-demo-password", Role.TENANT_MEMBER, "globex"),
-    ("agent", None, Role.AGENT, None),
 ]
+# The demo's agents enrol at their first start with a one-time token this command writes to
+# DEMO_DIR/agents/<name>.enrolment-token (the Procfile's agent1/agent2 read it).
+DEMO_AGENTS = ("agent-1", "agent-2")
 DEMO_DEPLOYMENT = "smollm2"
 DEMO_TENANTS = [
     ("acme", "Acme Corporation", 600, 200_000),
@@ -86,8 +91,12 @@ def minilm_path() -> Path:
 
 
 def _write_private(path: Path, data: dict[str, Any]) -> None:
+    _write_private_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _write_private_text(path: Path, text: str) -> None:
     temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    temporary.write_text(text)
     os.chmod(temporary, 0o600)
     os.replace(temporary, path)
 
@@ -104,8 +113,7 @@ class Command(BaseCommand):
 
         with transaction.atomic():
             tenants = self._tenants()
-            users = self._users(tenants)
-            agent_token = self._agent_token(users["agent"], credentials.get("agent_token"))
+            self._users(tenants)
             api_keys = {
                 slug: self._api_key(tenant, credentials.get("api_keys", {}).get(slug))
                 for slug, tenant in tenants.items()
@@ -133,7 +141,6 @@ class Command(BaseCommand):
                 username: {"password": password, "role": role.value, "tenant": tenant}
                 for username, password, role, tenant in DEMO_USERS
             },
-            "agent_token": agent_token,
             "api_keys": api_keys,
             "signing_key_id": SIGNING_KEY_ID,
         }
@@ -141,7 +148,9 @@ class Command(BaseCommand):
         # The load generator's tenant -> key map for the demo traffic.
         _write_private(demo_dir / "tenant_keys.json", api_keys)
         self._deployment(ModelVersion.objects.get(pk=fp32.pk))  # re-read: now verified
-        self._print(credentials, credentials_path)
+        # After the signing key: agents pin the trusted release keys when they enrol.
+        enrolments = self._agent_enrolments(demo_dir / "agents")
+        self._print(credentials, credentials_path, enrolments)
 
     def _deployment(self, stable: ModelVersion) -> None:
         """The chat deployment, serving float32 as stable; tenants call its model's name
@@ -187,13 +196,31 @@ class Command(BaseCommand):
             users[username] = user
         return users
 
-    def _agent_token(self, agent: Any, stored: str | None) -> str:
-        if stored and AccessToken.objects.filter(token_hash=secret_hash(stored)).exists():
-            return stored
-        created = account_services.access_token_create(
-            user=agent, name="demo agents", raw_token=stored or None
-        )
-        return created.raw_token
+    def _agent_enrolments(self, agents_dir: Path) -> dict[str, str]:
+        """A token file for each demo agent not enrolled yet, or enrolled but whose state
+        directory lost its credentials; {name: what happened}."""
+        done = {}
+        for name in DEMO_AGENTS:
+            token_file = agents_dir / f"{name}.enrolment-token"
+            # The file the agent keeps its credentials in (agent/credentials.py).
+            has_credentials = (agents_dir / name / "credentials.json").exists()
+            is_enrolled = Agent.objects.filter(name=name, enrolled_at__isnull=False).exists()
+            is_pending = (
+                token_file.exists()
+                and AgentEnrolment.objects.filter(
+                    token_hash=secret_hash(token_file.read_text().strip()),
+                    used_at__isnull=True,
+                    expires_at__gt=timezone.now(),
+                ).exists()
+            )
+            if (is_enrolled and has_credentials) or is_pending:
+                done[name] = "enrolled" if is_enrolled else f"enrolment token in {token_file}"
+                continue
+            created = enrolment.agent_enrolment_create(actor=None, agent_name=name)
+            agents_dir.mkdir(parents=True, exist_ok=True)
+            _write_private_text(token_file, created.raw_token + "\n")
+            done[name] = f"enrolment token in {token_file}"
+        return done
 
     def _api_key(self, tenant: Tenant, stored: str | None) -> str:
         if stored and ApiKey.objects.filter(key_hash=secret_hash(stored)).exists():
@@ -282,15 +309,14 @@ class Command(BaseCommand):
             actor=None, version=version, key_id=key.key_id, signature=signature
         )
 
-    def _print(self, credentials: dict[str, Any], path: Path) -> None:
+    def _print(self, credentials: dict[str, Any], path: Path, enrolments: dict[str, str]) -> None:
         write = self.stdout.write
         write(f"Demo credentials (local demo only; also in {path}):")
         for username, entry in credentials["users"].items():
             role = entry["role"] + (f" ({entry['tenant']})" if entry["tenant"] else "")
             secret = entry["password"] or "(service account: token only)"
             write(f"  {role:<30} {username} / {secret}")
-        write(
-            f"  agent API token                 Authorization: Bearer {credentials['agent_token']}"
-        )
+        for name, state in enrolments.items():
+            write(f"  {name:<30} {state}")
         for slug, key in credentials["api_keys"].items():
             write(f"  {slug + ' gateway API key':<30} {key}")
