@@ -319,6 +319,13 @@ FLEET_SAMPLE_RETENTION_S = int(os.environ.get("FLEET_SAMPLE_RETENTION_S", str(7 
 FLEET_COMMAND_TTL_S = float(os.environ.get("FLEET_COMMAND_TTL_S", "300"))
 # The key engine secrets are derived from (controlplane.fleet.engine_secrets).
 FLEET_ENGINE_KEY = env_key("FLEET_ENGINE_KEY", label=b"fleet-engine-key", secret_key=SECRET_KEY)
+# The seed (first 32 bytes) of the Ed25519 key every command is signed with
+# (controlplane.fleet.command_signing); agents hold its public key.
+FLEET_COMMAND_SIGNING_KEY = env_key(
+    "FLEET_COMMAND_SIGNING_KEY", label=b"fleet-command-signing-key", secret_key=SECRET_KEY
+)
+# The key each agent's stream key is derived from (controlplane.fleet.stream_keys).
+FLEET_AGENT_KEY = env_key("FLEET_AGENT_KEY", label=b"fleet-agent-key", secret_key=SECRET_KEY)
 
 # Rollouts
 # Canary analysis runs every this many seconds (10 in the demo).

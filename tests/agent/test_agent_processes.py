@@ -36,6 +36,7 @@ from controlplane.fleet.models import Agent, AgentCommand, AgentSample
 from controlplane.registry import services as registry_services
 from controlplane.registry import store
 from controlplane.registry.models import Model, SigningKey
+from tests.agent.support import agent_credentials_write
 from tests.api.support import Signer, make_user
 from tests.conftest import PYTHON, start_process, stop_process, wait_until
 
@@ -114,6 +115,7 @@ class Fleet:
         SigningKey.objects.create(
             key_id=self.signer.key_id, public_key=self.signer.public_key_b64, is_trusted=True
         )
+        self.trusted_keys = {self.signer.key_id: self.signer.public_key_b64}
         self.model = Model.objects.create(name="smol", task="chat")
 
     def version(self, label: str, path: Path) -> Any:
@@ -170,15 +172,24 @@ def ingest_args() -> list[str]:
 
 
 class AgentFiles(Protocol):
-    """What `agent_args` reads of a fleet: the agents' token file and their state root."""
+    """What `agent_args` reads of a fleet: the agents' token file, their state root and the
+    release keys they pin."""
 
     token_file: Path
     tmp_path: Path
+    trusted_keys: dict[str, str]
 
 
 def agent_args(
     name: str, port: int, redis_url: str, control_plane: str, fleet: AgentFiles
 ) -> list[str]:
+    """The command line of agent `name`, whose credentials file this writes."""
+    agent_credentials_write(
+        fleet.tmp_path / name,
+        name,
+        api_token=fleet.token_file.read_text(),
+        trusted_keys=fleet.trusted_keys,
+    )
     return [
         PYTHON,
         "-m",

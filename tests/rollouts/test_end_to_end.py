@@ -261,9 +261,10 @@ def stack(committed_db, django_db_blocker, tmp_path_factory) -> Iterator[Stack]:
             start("beat", [*CELERY, "beat", "--loglevel", "INFO",
                            "--schedule", str(tmp / "beat-schedule")])  # fmt: skip
 
-            class Holder:  # agent_args reads token_file and tmp_path
+            class Holder:  # agent_args reads token_file, tmp_path and trusted_keys
                 token_file = tmp / "agent-token"
                 tmp_path = tmp
+                trusted_keys = {signer.key_id: signer.public_key_b64}
 
             # The gateway process serves the whole ASGI application: the agents reach the
             # control plane's REST API (registration, artifact downloads) through it too.
