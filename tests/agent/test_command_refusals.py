@@ -61,7 +61,7 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
 
 
 def results_of(client: redis.Redis, command_id: str) -> list[CommandResult]:
-    entries = client.xrange(RESULTS_STREAM)
+    entries: list[tuple[str, dict[str, str]]] = client.xrange(RESULTS_STREAM)  # type: ignore[assignment]
     return [
         result
         for result in (parse_command_result(fields) for _, fields in entries)
