@@ -3,11 +3,15 @@
 Three threads share the state below under one lock, and none holds it while it waits:
 
 - heartbeat: every interval, reads the engines' stats and the energy meter and adds a
-  heartbeat to `telemetry:heartbeats`. While Redis is away the heartbeat is dropped
-  (the totals it carries make the gap harmless), never buffered.
+  heartbeat to `telemetry:heartbeats` (signed, as results are, with the agent's stream
+  key). While Redis is away the heartbeat is dropped (the totals it carries make the gap
+  harmless), never buffered.
 - registration: registers over HTTP at start and again after every Redis outage.
 - commands: reads `agent:<name>:commands` through a consumer group and runs one
-  command at a time; each gets an `accepted` and a final result on `agent:results`,
+  command at a time. A command not signed for this agent by the control plane's command
+  key, an expired one, or a load signed by a release key not pinned here is refused
+  unrun: one `rejected` result whose detail starts with the reason. Every other command
+  gets an `accepted` and a final result on `agent:results`,
   recorded under `agent:<name>:completed:<command_id>` so that a redelivered command is
   answered from the record instead of running twice. This thread starts the engines
   (they die with it: PR_SET_PDEATHSIG) and stops them at shutdown.
@@ -43,13 +47,16 @@ from contracts.streams import (
     AgentState,
     Command,
     CommandKind,
+    CommandRefused,
     CommandResult,
     CommandStatus,
     ContractError,
     FaultsPayload,
     Heartbeat,
     LoadPayload,
+    agent_fields_sign,
     command_record_key,
+    command_signature_verify,
     commands_stream,
     parse_command,
     parse_drain_payload,
@@ -221,7 +228,7 @@ class Agent:
         while not self.stop_event.is_set():
             self._check_engines()
             heartbeat = self.heartbeat()
-            fields = heartbeat.to_fields()
+            fields = self._signed(HEARTBEATS_STREAM, heartbeat.to_fields())
             # Dropped, not buffered, while Redis is away: the next one carries the totals.
             with contextlib.suppress(RedisUnavailable):
                 self.link.call(
@@ -405,6 +412,14 @@ class Agent:
                     lambda c: c.xack(self.commands_stream, AGENT_COMMANDS_GROUP, entry_id)
                 )
             return
+        try:
+            command_signature_verify(
+                command, agent=self.config.name, public_key_b64=self.config.command_public_key
+            )
+        except CommandRefused as exc:
+            # Not recorded: a forged command must not answer for the real one of its id.
+            self._refuse(entry_id, command, exc, is_recorded=False)
+            return
         record = self.link.call(
             lambda c: c.get(command_record_key(self.config.name, command.command_id))
         )
@@ -415,10 +430,15 @@ class Agent:
             self._finish(entry_id, replay, is_recorded=False)
             return
         if command.is_expired():
-            result = self._result(command.command_id, command.kind, CommandStatus.REJECTED)
             age = time.time() - command.issued_at
-            self._finish(entry_id, _replace(result, detail=f"expired: issued {age:.0f}s ago"))
+            self._refuse(entry_id, command, CommandRefused("expired", f"issued {age:.0f}s ago"))
             return
+        if command.kind is CommandKind.LOAD:
+            try:
+                self._check_pinned(parse_load_payload(command.payload))
+            except CommandRefused as exc:
+                self._refuse(entry_id, command, exc)
+                return
         self._publish(self._result(command.command_id, command.kind, CommandStatus.ACCEPTED))
         logger.info("running command %s: %s", command.command_id, command.kind.value)
         try:
@@ -434,6 +454,22 @@ class Agent:
             entry_id,
             _replace(self._result(command.command_id, command.kind, status), detail=detail),
         )
+
+    def _refuse(
+        self, entry_id: str, command: Command, refusal: CommandRefused, *, is_recorded: bool = True
+    ) -> None:
+        """Answer `rejected`, the detail led by the reason (the control plane counts it)."""
+        logger.warning("refusing command %s: %s: %s", command.command_id, refusal.reason, refusal)
+        result = self._result(command.command_id, command.kind, CommandStatus.REJECTED)
+        detail = f"{refusal.reason}: {refusal}"
+        self._finish(entry_id, _replace(result, detail=detail), is_recorded=is_recorded)
+
+    def _signed(self, stream: str, fields: dict[str, str]) -> dict[str, str]:
+        """`fields` with `mac` under this agent's stream key; unsigned without one (ingest
+        refuses them: the agent has no credentials yet)."""
+        if not self.config.stream_key:
+            return fields
+        return agent_fields_sign(stream, fields, self.config.stream_key)
 
     def _result(self, command_id: str, kind: str, status: CommandStatus) -> CommandResult:
         with self._lock:
@@ -455,7 +491,7 @@ class Agent:
             self.link.call(
                 lambda c: c.xadd(
                     RESULTS_STREAM,
-                    result.to_fields(),  # type: ignore[arg-type]
+                    self._signed(RESULTS_STREAM, result.to_fields()),  # type: ignore[arg-type]
                     maxlen=RESULTS_MAXLEN,
                     approximate=True,
                 )
@@ -481,7 +517,7 @@ class Agent:
                 )
             pipe.xadd(
                 RESULTS_STREAM,
-                result.to_fields(),  # type: ignore[arg-type]
+                self._signed(RESULTS_STREAM, result.to_fields()),  # type: ignore[arg-type]
                 maxlen=RESULTS_MAXLEN,
                 approximate=True,
             )
@@ -541,11 +577,20 @@ class Agent:
             old.drain(self.config.drain_timeout_s)
         return f"serving version {load.version_id} at {engine.endpoint}"
 
+    def _check_pinned(self, load: LoadPayload) -> None:
+        """Only a release key pinned here, with the same public key, may sign a load: with
+        none pinned, nothing loads."""
+        if self.config.pinned_keys.get(load.key_id) != load.public_key:
+            raise CommandRefused(
+                "untrusted_signing_key", f"signing key {load.key_id!r} is not pinned on this agent"
+            )
+
     def _prepare_engine(self, load: LoadPayload) -> EngineProcess:
         """Verify the signature and the artifact, start the engine and wait until it is warm."""
-        pinned = self.config.pinned_keys
-        if pinned and pinned.get(load.key_id) != load.public_key:
-            raise CommandFailed(f"signing key {load.key_id!r} is not pinned on this agent")
+        try:
+            self._check_pinned(load)
+        except CommandRefused as exc:
+            raise CommandFailed(f"{exc.reason}: {exc}") from exc
         try:
             verify_signature(
                 public_key_b64=load.public_key,

@@ -9,11 +9,12 @@ Stores of its own: the PostgreSQL database `BENCH_INGEST_DATABASE_URL` (default
 database `BENCH_INGEST_REDIS_URL` (default db 7) is flushed before and after.
 
 Synthetic agents (registered in the database) are publisher processes that XADD real
-heartbeat entries (`Heartbeat.to_fields`, cumulative totals growing) to
-`telemetry:heartbeats`, round-robin over the agents and paced every 100 ms. One real
-ingest process (`manage.py ingest`) consumes them. For each offered rate, lowest first,
-the bench reports what was published and ingested per second and the lag: the age of the
-oldest entry not yet acknowledged (pending or not yet delivered), sampled every 250 ms.
+heartbeat entries (`Heartbeat.to_fields`, cumulative totals growing, each signed with its
+agent's stream key as agents sign theirs) to `telemetry:heartbeats`, round-robin over the
+agents and paced every 100 ms. One real ingest process (`manage.py ingest`) consumes them.
+For each offered rate, lowest first, the bench reports what was published and ingested
+per second and the lag: the age of the oldest entry not yet acknowledged (pending or not
+yet delivered), sampled every 250 ms.
 A rate passes when the publishers offered it (>= 95 %), ingest kept up (>= 95 % of what
 was published) and the lag stayed under 2 s throughout; the first rate that fails ends
 the series.
@@ -129,6 +130,9 @@ def database_backend_pids() -> list[int]:
 
 # -- publishers ---------------------------------------------------------------------------
 
+# A synthetic agent: its name and its stream key (the publishers sign as agents do).
+Agent = tuple[str, str]
+
 
 def _entry_template() -> tuple[dict[str, str], dict[str, Any]]:
     """A real heartbeat entry (Heartbeat.to_fields) and its figures, to vary per entry."""
@@ -148,9 +152,12 @@ def _entry_template() -> tuple[dict[str, str], dict[str, Any]]:
 
 
 def heartbeat_entry(
-    template: tuple[dict[str, str], dict[str, Any]], name: str, seq: int, sent_at: float
+    template: tuple[dict[str, str], dict[str, Any]], agent: Agent, seq: int, sent_at: float
 ) -> dict[str, str]:
-    """Agent `name`'s heartbeat number `seq`: its cumulative totals grow with it."""
+    """The agent's heartbeat number `seq`, signed: its cumulative totals grow with it."""
+    from contracts.streams import HEARTBEATS_STREAM, agent_fields_sign
+
+    name, stream_key = agent
     fields, figures = template
     totals = {
         "prompt_tokens_total": 120 * seq,
@@ -158,24 +165,27 @@ def heartbeat_entry(
         "requests_ok_total": 2 * seq,
         "energy_joules": 310.0 * seq,
     }
-    return {
+    entry = {
         **fields,
         "agent": name,
         "seq": str(seq),
         "sent_at": repr(sent_at),
         "figures": json.dumps({**figures, **totals}, separators=(",", ":")),
     }
+    return agent_fields_sign(HEARTBEATS_STREAM, entry, stream_key)
 
 
-def publisher(redis_url: str, names: list[str], rate: float, stop_at: float, counter: Any) -> None:
-    """Publish `rate` heartbeats a second, round-robin over `names`, until `stop_at`."""
+def publisher(
+    redis_url: str, agents: list[Agent], rate: float, stop_at: float, counter: Any
+) -> None:
+    """Publish `rate` heartbeats a second, round-robin over `agents`, until `stop_at`."""
     import redis
 
     from contracts.streams import HEARTBEATS_MAXLEN, HEARTBEATS_STREAM
 
     client = redis.Redis.from_url(redis_url)
     template = _entry_template()
-    seqs = [0] * len(names)
+    seqs = [0] * len(agents)
     next_index = 0
     sent = 0
     started = time.monotonic()
@@ -186,9 +196,9 @@ def publisher(redis_url: str, names: list[str], rate: float, stop_at: float, cou
             now = time.time()
             for _ in range(due):
                 index = next_index
-                next_index = (next_index + 1) % len(names)
+                next_index = (next_index + 1) % len(agents)
                 seqs[index] += 1
-                entry: dict[Any, Any] = heartbeat_entry(template, names[index], seqs[index], now)
+                entry: dict[Any, Any] = heartbeat_entry(template, agents[index], seqs[index], now)
                 pipe.xadd(HEARTBEATS_STREAM, entry, maxlen=HEARTBEATS_MAXLEN, approximate=True)
             pipe.execute()
             sent += due
@@ -278,7 +288,7 @@ class RateResult:
 
 
 def run_rate(
-    redis_url: str, names: list[str], rate: int, probe: LagProbe, options: Options
+    redis_url: str, agents: list[Agent], rate: int, probe: LagProbe, options: Options
 ) -> RateResult:
     context = multiprocessing.get_context("spawn")
     counter = context.Value("q", 0)
@@ -288,7 +298,7 @@ def run_rate(
             target=publisher,
             args=(
                 redis_url,
-                names[i :: options.publishers],
+                agents[i :: options.publishers],
                 rate / options.publishers,
                 stop_at,
                 counter,
@@ -311,7 +321,7 @@ def run_rate(
     return RateResult(rate, sent / elapsed, acked / elapsed, lags)
 
 
-def publish_backlog(redis_url: str, names: list[str], count: int, first_seq: int) -> None:
+def publish_backlog(redis_url: str, agents: list[Agent], count: int, first_seq: int) -> None:
     import redis
 
     from contracts.streams import HEARTBEATS_MAXLEN, HEARTBEATS_STREAM
@@ -320,8 +330,8 @@ def publish_backlog(redis_url: str, names: list[str], count: int, first_seq: int
     template = _entry_template()
     pipe = client.pipeline(transaction=False)
     for i in range(count):
-        seq = first_seq + i // len(names)
-        entry: dict[Any, Any] = heartbeat_entry(template, names[i % len(names)], seq, time.time())
+        seq = first_seq + i // len(agents)
+        entry: dict[Any, Any] = heartbeat_entry(template, agents[i % len(agents)], seq, time.time())
         pipe.xadd(HEARTBEATS_STREAM, entry, maxlen=max(HEARTBEATS_MAXLEN, count), approximate=True)
         if i % 1000 == 999:
             pipe.execute()
@@ -330,13 +340,13 @@ def publish_backlog(redis_url: str, names: list[str], count: int, first_seq: int
 
 
 def run_backlog(
-    redis_url: str, names: list[str], count: int, probe: LagProbe, ingest_pid: int
+    redis_url: str, agents: list[Agent], count: int, probe: LagProbe, ingest_pid: int
 ) -> dict[str, Any]:
     """Publish `count` heartbeats at once; time ingest from the last one published until
     all are acknowledged, with the CPU its process and its database backends used."""
     processes = {"ingest process": [ingest_pid], "its PostgreSQL backend": database_backend_pids()}
     start_acked = probe.acknowledged()
-    publish_backlog(redis_url, names, count, first_seq=1_000_000)
+    publish_backlog(redis_url, agents, count, first_seq=1_000_000)
     acked_at_start, start = probe.acknowledged(), time.monotonic()
     cpu_before = {label: process_cpu_s(pids) for label, pids in processes.items()}
     deadline = start + 120
@@ -393,7 +403,7 @@ def profile_note(shares: list[tuple[str, float]]) -> str:
 
 
 def profile_ingest(
-    redis_url: str, names: list[str], count: int, batch_size: int
+    redis_url: str, agents: list[Agent], count: int, batch_size: int
 ) -> tuple[list[tuple[str, float]], pstats.Stats]:
     """Drain a backlog with the ingest handlers in this process under cProfile."""
     from contracts.streams import INGEST_GROUP
@@ -401,7 +411,7 @@ def profile_ingest(
     from controlplane.telemetry.ingest import ingest_ticker, stream_handlers
     from controlplane.telemetry.streams import StreamIngestor
 
-    publish_backlog(redis_url, names, count, first_seq=2_000_000)
+    publish_backlog(redis_url, agents, count, first_seq=2_000_000)
     client = stream_reader(redis_url)
     ingestor = StreamIngestor(
         client=client,
@@ -457,12 +467,17 @@ def measure(options: Options, out_dir: Path | None, log: Any = print) -> dict[st
     from django.utils import timezone
 
     from contracts.streams import HEARTBEATS_STREAM, INGEST_GROUP
-    from controlplane.fleet.models import Agent
+    from controlplane.fleet.models import Agent as AgentRow
+    from controlplane.fleet.stream_keys import agent_stream_key
 
     names = [f"{AGENT_PREFIX}{i:05d}" for i in range(options.agents)]
+    agents = [(name, agent_stream_key(name)) for name in names]
     now = timezone.now()
-    Agent.objects.bulk_create(
-        [Agent(name=name, host="bench-host", registered_at=now, last_seen=now) for name in names],
+    AgentRow.objects.bulk_create(
+        [
+            AgentRow(name=name, host="bench-host", registered_at=now, last_seen=now)
+            for name in names
+        ],
         batch_size=1000,
     )
     client = redis.Redis.from_url(redis_url, decode_responses=True)
@@ -490,7 +505,7 @@ def measure(options: Options, out_dir: Path | None, log: Any = print) -> dict[st
             f"{'lag p50':>8} {'lag p95':>8} {'lag max':>8}  lag<2s and keeping up"
         )
         for rate in options.rates:
-            outcome = run_rate(redis_url, names, rate, probe, options)
+            outcome = run_rate(redis_url, agents, rate, probe, options)
             rates.append(outcome)
             log(
                 f"{rate:>10} {outcome.published_per_s:>12.0f} {outcome.ingested_per_s:>11.0f} "
@@ -501,7 +516,7 @@ def measure(options: Options, out_dir: Path | None, log: Any = print) -> dict[st
                 break
         if options.backlog:
             probe.wait_caught_up(30)
-            backlog = run_backlog(redis_url, names, options.backlog, probe, ingest.pid)
+            backlog = run_backlog(redis_url, agents, options.backlog, probe, ingest.pid)
             result["backlog"] = backlog
             log(
                 f"backlog of {backlog['entries']} drained at {backlog['per_s']:.0f} heartbeats/s; "
@@ -511,7 +526,7 @@ def measure(options: Options, out_dir: Path | None, log: Any = print) -> dict[st
         ingest.wait(timeout=30)
         if options.profile_entries:
             shares, stats = profile_ingest(
-                redis_url, names, options.profile_entries, options.batch_size
+                redis_url, agents, options.profile_entries, options.batch_size
             )
             result["profile"] = shares
             result["profile_stats"] = stats

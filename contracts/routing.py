@@ -24,8 +24,9 @@ Requests (written by the gateway after every routed request, read by ingest):
   the stream holds `GATEWAY_REQUESTS_STREAM_MAX_LENGTH` entries, gateways spool new ones
   to disk instead.
   Every entry carries `mac`: HMAC-SHA256, keyed by the gateway's and ingest's shared
-  record key, over all its other fields (`request_fields_sign`); ingest refuses an entry
-  without a valid one (`request_fields_verify`), so only a gateway can bill a tenant.
+  record key, over all its other fields (`request_fields_sign`, contracts.fields_mac);
+  ingest refuses an entry without a valid one (`request_fields_verify`), so only a
+  gateway can bill a tenant.
 - `{telemetry:requests}:lost` (on the stream's cluster slot): a hash ingest writes when
   entries left the stream before its group read them (trimmed by hand, or by a gateway
   still adding with MAXLEN): `total`, `last_count` and `last_at` (unix seconds). The
@@ -36,7 +37,6 @@ Pure Python on purpose: the gateway, the reconciler and tests share it.
 
 from __future__ import annotations
 
-import hmac
 import json
 import math
 import re
@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from contracts.fields_mac import MAC_FIELD, FieldsMacError, fields_mac, fields_sign, fields_verify
 from contracts.streams import ENGINE_SECRET_PATTERN, MAX_BIGINT, MAX_INTEGER
 from contracts.streams import MAX_SENT_AT as MAX_UNIX_TIME
 
@@ -66,12 +67,8 @@ class RoutingContractError(ValueError):
     """A routing table or a request entry breaks the contract; the message names the field."""
 
 
-class RequestMacError(RoutingContractError):
+class RequestMacError(RoutingContractError, FieldsMacError):
     """A request entry's `mac` is missing or does not match its fields."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason  # missing_mac or bad_mac
 
 
 class Affinity(StrEnum):
@@ -384,50 +381,33 @@ class RequestRecord:
         return out
 
 
-# The request entry's signature. The message is a label, then each other field, sorted by
-# name, as `<byte length>:<name><byte length>:<value>`: length prefixes make it prefix-free,
-# so no choice of names or values (a value holding a separator, a field split in two) can
-# give two different entries one message.
-REQUEST_MAC_FIELD = "mac"
+# The request entry's signature (contracts.fields_mac, under its own label).
+REQUEST_MAC_FIELD = MAC_FIELD
 REQUEST_MAC_LABEL = b"controlplane.telemetry.requests.v1\n"
-REQUEST_MAC_KEY_MIN_BYTES = 32
-REQUEST_MAC_PATTERN = re.compile(r"^[0-9a-f]{64}$")
 
 
 def request_mac(fields: Mapping[str, str], key: bytes) -> str:
-    """HMAC-SHA256 (hex) of every field but `mac`, in the canonical encoding above."""
-    if len(key) < REQUEST_MAC_KEY_MIN_BYTES:
-        raise ValueError(f"record key: must be at least {REQUEST_MAC_KEY_MIN_BYTES} bytes")
-    parts = [REQUEST_MAC_LABEL]
-    for name in sorted(fields):
-        if name == REQUEST_MAC_FIELD:
-            continue
-        value = fields[name]
-        if not isinstance(name, str) or not isinstance(value, str):
-            raise RequestMacError("bad_mac", f"{str(name)[:40]}: fields must be strings")
-        # surrogatepass: a lone surrogate in a prompt must not make signing raise
-        name_bytes = name.encode("utf-8", "surrogatepass")
-        value_bytes = value.encode("utf-8", "surrogatepass")
-        parts += [b"%d:" % len(name_bytes), name_bytes, b"%d:" % len(value_bytes), value_bytes]
-    return hmac.digest(key, b"".join(parts), "sha256").hex()
+    """HMAC-SHA256 (hex) of every field but `mac` (contracts.fields_mac's encoding)."""
+    try:
+        return fields_mac(fields, key, label=REQUEST_MAC_LABEL)
+    except FieldsMacError as exc:
+        raise RequestMacError(exc.reason, str(exc)) from exc
 
 
 def request_fields_sign(fields: Mapping[str, str], key: bytes) -> dict[str, str]:
     """The entry's fields with `mac` set (an existing `mac` is replaced)."""
-    signed = {name: value for name, value in fields.items() if name != REQUEST_MAC_FIELD}
-    signed[REQUEST_MAC_FIELD] = request_mac(signed, key)
-    return signed
+    try:
+        return fields_sign(fields, key, label=REQUEST_MAC_LABEL)
+    except FieldsMacError as exc:
+        raise RequestMacError(exc.reason, str(exc)) from exc
 
 
 def request_fields_verify(fields: Mapping[str, str], key: bytes) -> None:
     """Raise RequestMacError (reason `missing_mac` or `bad_mac`) unless `mac` matches."""
-    mac = fields.get(REQUEST_MAC_FIELD)
-    if mac is None or mac == "":
-        raise RequestMacError("missing_mac", "mac: missing")
-    if not isinstance(mac, str) or not REQUEST_MAC_PATTERN.fullmatch(mac):
-        raise RequestMacError("bad_mac", "mac: not 64 lowercase hex characters")
-    if not hmac.compare_digest(request_mac(fields, key), mac):
-        raise RequestMacError("bad_mac", "mac: does not match the entry's fields")
+    try:
+        fields_verify(fields, key, label=REQUEST_MAC_LABEL)
+    except FieldsMacError as exc:
+        raise RequestMacError(exc.reason, str(exc)) from exc
 
 
 def is_server_fault(status: int) -> bool:

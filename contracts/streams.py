@@ -5,9 +5,19 @@ Streams (all trimmed with approximate MAXLEN, so none grows without bound):
 - `telemetry:heartbeats`: one entry per agent per second (`Heartbeat`). Read by
   `manage.py ingest` through the consumer group `ingest`.
 - `agent:<name>:commands`: commands to one agent (`Command`). Written by the control
-  plane's fleet services; read by that agent through the consumer group `agent`.
+  plane's fleet services; read by that agent through the consumer group `agent`. Each
+  carries `signature`: Ed25519, by the control plane's command key, over the canonical
+  JSON of the command and the target agent's name (`command_signed_message`), so a
+  command copied to another agent's stream, or written by anyone else, is refused
+  (`command_signature_verify`).
 - `agent:results`: the outcome of each command (`CommandResult`), first `accepted`,
-  then one final status. Read by ingest, which updates the command's row.
+  then one final status. Read by ingest, which updates the command's row. A command the
+  agent refuses unread is `rejected` with a detail led by one of COMMAND_REFUSAL_REASONS.
+
+Heartbeats and results carry `mac`: HMAC-SHA256 under the sending agent's own stream key
+over every other field (`agent_fields_sign`, contracts.fields_mac's encoding, labelled by
+stream); ingest refuses an entry whose `mac` does not verify under the key of the agent
+it names (`agent_fields_verify`).
 
 Every entry is a flat map of strings (Redis stream fields). A heartbeat keeps its
 identity and state in fields of their own and its numbers in one JSON object, `figures`
@@ -25,6 +35,8 @@ entry is delivered twice or two ingest processes apply a batch each in any order
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import re
@@ -37,7 +49,11 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 import msgspec
+from cryptography.exceptions import InvalidSignature
 from msgspec import Meta, defstruct
+
+from contracts.fields_mac import fields_sign, fields_verify
+from contracts.signing import SignatureError, load_public_key
 
 SCHEMA_VERSION = "1"
 
@@ -83,6 +99,25 @@ def command_record_key(agent_name: str, command_id: str) -> str:
 
 class ContractError(ValueError):
     """An entry or payload does not follow the contract; the message names the field."""
+
+
+# Heartbeats and command results: signed by the agent under its own stream key.
+
+
+def _stream_label(stream: str) -> bytes:
+    if stream not in (HEARTBEATS_STREAM, RESULTS_STREAM):
+        raise ValueError(f"{stream!r} entries are not signed by agents")
+    return f"{stream}.v1\n".encode()
+
+
+def agent_fields_sign(stream: str, fields: Mapping[str, str], stream_key: str) -> dict[str, str]:
+    """A heartbeat's or result's fields with `mac` set under the agent's stream key (hex)."""
+    return fields_sign(fields, stream_key.encode(), label=_stream_label(stream))
+
+
+def agent_fields_verify(stream: str, fields: Mapping[str, str], stream_key: str) -> None:
+    """Raise contracts.fields_mac.FieldsMacError (`missing_mac`, `bad_mac`) unless it matches."""
+    fields_verify(fields, stream_key.encode(), label=_stream_label(stream))
 
 
 class AgentState(StrEnum):
@@ -443,8 +478,8 @@ class LoadPayload:
     """Everything an agent needs to fetch, verify and start a version.
 
     The signature covers (digest, serving_config); the agent checks the artifact's
-    SHA-256 against `digest` and the signature with `public_key` (and, when it was
-    started with pinned keys, that `key_id` is one of them) before anything is loaded.
+    SHA-256 against `digest`, that `key_id` is one of its pinned release keys with this
+    `public_key`, and the signature with it, before anything is loaded.
     `serving_secret` and `admin_secret` are the bearer secrets the engine it starts
     requires (derived per load command by the control plane; never recorded nor shown).
     """
@@ -484,9 +519,10 @@ class Command:
     issued_at: float
     expires_at: float
     payload: dict[str, Any] = field(default_factory=dict)
+    signature: str = ""  # base64 Ed25519 over command_signed_message; "" when unsigned
 
     def to_fields(self) -> dict[str, str]:
-        return {
+        out = {
             "v": SCHEMA_VERSION,
             "command_id": self.command_id,
             "kind": self.kind.value,
@@ -494,6 +530,9 @@ class Command:
             "expires_at": _format_float(self.expires_at),
             "payload": json.dumps(self.payload, sort_keys=True, separators=(",", ":")),
         }
+        if self.signature:
+            out["signature"] = self.signature
+        return out
 
     def is_expired(self, now: float | None = None) -> bool:
         return (time.time() if now is None else now) > self.expires_at
@@ -532,6 +571,7 @@ def parse_command(data: Mapping[str, str]) -> Command:
         issued_at=_float(data, "issued_at"),
         expires_at=_float(data, "expires_at"),
         payload=payload,
+        signature=_text(data, "signature", max_length=200) if "signature" in data else "",
     )
     # Validate the payload now, so a bad command is rejected before anything runs.
     if command.kind is CommandKind.LOAD:
@@ -541,6 +581,63 @@ def parse_command(data: Mapping[str, str]) -> Command:
     elif command.kind is CommandKind.DRAIN:
         parse_drain_payload(command.payload)
     return command
+
+
+# Why an agent refuses a command without running it: the first word of the `rejected`
+# result's detail (`bad_command_signature: ...`), which the control plane counts.
+COMMAND_REFUSAL_REASONS = frozenset(
+    {
+        "unsigned_command",  # no signature
+        "bad_command_signature",  # not the control plane's, or signed for another agent
+        "no_command_key",  # this agent holds no command key: it trusts no command
+        "expired",
+        "untrusted_signing_key",  # a load signed by a release key this agent has not pinned
+    }
+)
+
+
+class CommandRefused(ValueError):
+    """A command the agent will not run; `reason` is one of COMMAND_REFUSAL_REASONS."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def command_refusal_reason(detail: str) -> str | None:
+    """The refusal reason a `rejected` result's detail starts with, if any."""
+    reason = detail.split(":", 1)[0]
+    return reason if reason in COMMAND_REFUSAL_REASONS else None
+
+
+def command_signed_message(command: Command, *, agent: str) -> bytes:
+    """What the control plane signs: the canonical JSON (keys sorted, no whitespace, UTF-8)
+    of the command and the agent it is for."""
+    message = {
+        "agent": agent,
+        "command_id": command.command_id,
+        "kind": command.kind.value,
+        "payload": command.payload,
+        "issued_at": command.issued_at,
+        "expires_at": command.expires_at,
+    }
+    return json.dumps(message, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def command_signature_verify(command: Command, *, agent: str, public_key_b64: str) -> None:
+    """Raise CommandRefused unless `command` is signed for `agent` by the command key."""
+    if not public_key_b64:
+        raise CommandRefused("no_command_key", "this agent holds no command key")
+    if not command.signature:
+        raise CommandRefused("unsigned_command", "the command carries no signature")
+    try:
+        key = load_public_key(public_key_b64)
+        signature = base64.b64decode(command.signature, validate=True)
+        key.verify(signature, command_signed_message(command, agent=agent))
+    except (SignatureError, binascii.Error, ValueError, InvalidSignature) as exc:
+        raise CommandRefused(
+            "bad_command_signature", "the signature is not the control plane's for this agent"
+        ) from exc
 
 
 def _payload_value(payload: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:

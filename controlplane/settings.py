@@ -325,16 +325,17 @@ FLEET_LOST_AFTER_S = float(
 )
 FLEET_SAMPLE_RETENTION_S = int(os.environ.get("FLEET_SAMPLE_RETENTION_S", str(7 * 24 * 3600)))
 FLEET_COMMAND_TTL_S = float(os.environ.get("FLEET_COMMAND_TTL_S", "300"))
-# Agents' stream keys and the command-signing key pair derive from these
-# (controlplane.fleet.agent_keys).
-FLEET_AGENT_KEY = env_key("FLEET_AGENT_KEY", label=b"fleet-agent-key", secret_key=SECRET_KEY)
-FLEET_COMMAND_SIGNING_KEY = env_key(
-    "FLEET_COMMAND_SIGNING_KEY", label=b"fleet-command-signing-key", secret_key=SECRET_KEY
-)
 # An agent enrolment token is good for this long (and once).
 FLEET_ENROLMENT_TTL_S = float(os.environ.get("FLEET_ENROLMENT_TTL_S", str(24 * 3600)))
 # The key engine secrets are derived from (controlplane.fleet.engine_secrets).
 FLEET_ENGINE_KEY = env_key("FLEET_ENGINE_KEY", label=b"fleet-engine-key", secret_key=SECRET_KEY)
+# The key (its SHA-256 is the seed) of the Ed25519 key pair every command is signed with
+# (controlplane.fleet.command_signing); agents hold its public key.
+FLEET_COMMAND_SIGNING_KEY = env_key(
+    "FLEET_COMMAND_SIGNING_KEY", label=b"fleet-command-signing-key", secret_key=SECRET_KEY
+)
+# The key each agent's stream key is derived from (controlplane.fleet.stream_keys).
+FLEET_AGENT_KEY = env_key("FLEET_AGENT_KEY", label=b"fleet-agent-key", secret_key=SECRET_KEY)
 
 # Rollouts
 # Canary analysis runs every this many seconds (10 in the demo).

@@ -31,7 +31,7 @@ from controlplane.core import access
 from controlplane.core.credentials import secret_hash, secret_issue
 from controlplane.core.errors import DomainError, Forbidden, Unavailable
 from controlplane.core.roles import Role
-from controlplane.fleet.agent_keys import agent_stream_key, command_public_key_b64
+from controlplane.fleet.command_signing import command_public_key_b64
 from controlplane.fleet.models import Agent, AgentEnrolment, AgentState
 from controlplane.fleet.redis_users import (
     password_sha256,
@@ -39,6 +39,7 @@ from controlplane.fleet.redis_users import (
     redis_admin_client,
     redis_agent_user_apply,
 )
+from controlplane.fleet.stream_keys import agent_stream_key
 from controlplane.registry.models import SigningKey
 
 ENROLMENT_TOKEN_PREFIX = "cpe-"  # noqa: S105 - a visible prefix, not a secret

@@ -21,6 +21,7 @@ from django.utils import timezone
 from contracts.streams import (
     COMMANDS_MAXLEN,
     CommandResult,
+    command_refusal_reason,
     commands_stream,
     new_command,
 )
@@ -30,6 +31,7 @@ from controlplane.core import access
 from controlplane.core.errors import Conflict, DomainError, Forbidden, NotFound, Unavailable
 from controlplane.core.events import BROADCAST_GROUP, FLEET_LIVE_GROUP, publish_events
 from controlplane.core.redis_clients import redis_client as make_redis_client
+from controlplane.fleet.command_signing import command_sign
 from controlplane.fleet.engine_secrets import engine_secrets_payload
 from controlplane.fleet.models import (
     FINAL_COMMAND_STATUSES,
@@ -40,6 +42,7 @@ from controlplane.fleet.models import (
     CommandKind,
     CommandStatus,
 )
+from controlplane.fleet.refusals import COMMANDS_REFUSED_TOTAL, agent_refusals_audit
 from controlplane.registry.models import LOADABLE_STATUSES, ModelVersion
 
 logger = logging.getLogger(__name__)
@@ -220,6 +223,8 @@ def agent_command_send(
         # API shows, does not (they are derived again from the command id when needed).
         secrets = engine_secrets_payload(agent_name=agent_name, command_id=wire.command_id)
         wire = dataclasses.replace(wire, payload={**payload, **secrets})
+    # Signed last: the signature covers the payload as sent, and only this agent's name.
+    wire = command_sign(wire, agent_name=agent_name)
     try:
         with transaction.atomic():
             agent = Agent.objects.select_for_update().filter(name=agent_name).first()
@@ -308,6 +313,7 @@ def command_results_apply(*, results: Sequence[CommandResult]) -> list[dict[str,
     unknown = set(by_id) - {command.command_id for command in commands}
     if unknown:
         logger.warning("results for unknown commands dropped: %s", ", ".join(sorted(unknown)))
+    _command_refusals_record(results, unknown=unknown)
     events = []
     for command in commands:
         # Several results for one command in a batch: apply them in order of rank.
@@ -331,6 +337,31 @@ def command_results_apply(*, results: Sequence[CommandResult]) -> list[dict[str,
             command.save(update_fields=["status", "detail", "accepted_at", "finished_at"])
             events.append(command_event_payload(command))
     return events
+
+
+def _command_refusals_record(results: Sequence[CommandResult], *, unknown: set[str]) -> None:
+    """Count the commands agents refused unrun, and the results for commands never sent (a
+    forged command's refusal, or a forged result); audit each agent's at most once a minute."""
+    by_agent: dict[str, dict[str, int]] = {}
+    for result in results:
+        reason = None
+        if result.status == CommandStatus.REJECTED:
+            reason = command_refusal_reason(result.detail)
+        if reason is None and result.command_id in unknown:
+            reason = "unknown_command"
+        if reason is None:
+            continue
+        COMMANDS_REFUSED_TOTAL.labels(reason).inc()
+        counts = by_agent.setdefault(result.agent, {})
+        counts[reason] = counts.get(reason, 0) + 1
+    for agent_name, counts in sorted(by_agent.items()):
+        logger.warning("agent %s refused commands: %s", agent_name, counts)
+        agent_refusals_audit(
+            action="agent.command.refused",
+            agent_name=agent_name,
+            by_reason=counts,
+            detail="the agent refused commands unrun, or answered commands never sent",
+        )
 
 
 def agents_mark_lost(*, now: datetime | None = None) -> list[dict[str, Any]]:

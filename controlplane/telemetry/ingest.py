@@ -4,6 +4,8 @@ Domain apps add theirs here as their streams come to exist (heartbeats, requests
 
 - `telemetry:heartbeats` -> HeartbeatHandler: agents' state and figures, 10-second rollups.
 - `agent:results` -> CommandResultHandler: the outcome of each command.
+  Both refuse an entry whose `mac` does not verify under the stream key of the agent it
+  names (`AgentMacCheck`): counted, audited at most once per agent per minute, dropped.
 - `telemetry:requests` -> controlplane.telemetry.requests.RequestsStreamHandler (usage, SLO
   samples, the rollout fast path).
 - `FleetTicker` (the ingestor's on_tick): marks silent agents `lost`, publishes the live
@@ -21,16 +23,20 @@ from datetime import UTC, datetime
 from django.conf import settings
 from prometheus_client import Counter, Gauge
 
+from contracts.fields_mac import FieldsMacError
 from contracts.streams import (
     HEARTBEATS_STREAM,
     RESULTS_STREAM,
     CommandResult,
     ContractError,
     Heartbeat,
+    agent_fields_verify,
     parse_command_result,
     parse_heartbeat,
 )
 from controlplane.fleet import services
+from controlplane.fleet.refusals import MAX_REMEMBERED_AGENTS, StreamRefusals
+from controlplane.fleet.stream_keys import agent_stream_key
 from controlplane.telemetry.heartbeats import ReceivedHeartbeat, compact_figures, heartbeats_apply
 from controlplane.telemetry.streams import MalformedEntry, StreamHandler
 
@@ -42,7 +48,13 @@ UNKNOWN_AGENT_TOTAL = Counter(
 LOST_TOTAL = Counter("fleet_agents_lost_total", "Agents marked lost by ingest")
 HEARTBEATS_REFUSED_TOTAL = Counter(
     "fleet_heartbeats_refused_total",
-    "Heartbeats refused: sent_at ahead of the ingest clock or long before Redis took it",
+    "Heartbeats refused: no valid mac for their agent (missing_mac, bad_mac), or sent_at "
+    "ahead of the ingest clock or long before Redis took it",
+    ["reason"],
+)
+RESULTS_REFUSED_TOTAL = Counter(
+    "fleet_command_results_refused_total",
+    "Command results refused: no valid mac for their agent (missing_mac, bad_mac)",
     ["reason"],
 )
 HEARTBEAT_LAG = Gauge(
@@ -74,15 +86,50 @@ class LiveFleet:
     lag_s: float = float("inf")
 
 
+class AgentMacCheck:
+    """Checks that an entry was signed by the agent it names, with that agent's stream key
+    (derived once per agent and kept: ingest checks thousands of entries a second)."""
+
+    def __init__(self, stream: str, refusals: StreamRefusals) -> None:
+        self.stream = stream
+        self.refusals = refusals
+        self._keys: dict[str, str] = {}
+
+    def __call__(self, agent_name: str, fields: Mapping[str, str]) -> None:
+        key = self._keys.get(agent_name)
+        if key is None:
+            if len(self._keys) >= MAX_REMEMBERED_AGENTS:
+                self._keys.clear()
+            key = self._keys[agent_name] = agent_stream_key(agent_name)
+        try:
+            agent_fields_verify(self.stream, fields, key)
+        except FieldsMacError as exc:
+            logger.warning(
+                "refusing an entry not signed by the agent it names",
+                extra={"stream": self.stream, "agent": agent_name, "reason": exc.reason},
+            )
+            self.refusals.refuse(agent_name, exc.reason)
+            raise MalformedEntry(f"{self.stream} entry of {agent_name}: {exc}") from exc
+
+
 class HeartbeatHandler:
     def __init__(self, live: LiveFleet) -> None:
         self.live = live
+        self.check_mac = AgentMacCheck(
+            HEARTBEATS_STREAM,
+            StreamRefusals(
+                action="agent.heartbeat.refused",
+                counter=HEARTBEATS_REFUSED_TOTAL,
+                detail="heartbeats without a valid mac of this agent were dropped",
+            ),
+        )
 
     def parse(self, entry_id: str, fields: Mapping[str, str]) -> ReceivedHeartbeat:
         try:
             heartbeat = parse_heartbeat(fields)
         except ContractError as exc:
             raise MalformedEntry(str(exc)) from exc
+        self.check_mac(heartbeat.agent, fields)
         received_at = entry_time(entry_id)
         _check_sent_at(heartbeat, received_at)
         return ReceivedHeartbeat(heartbeat=heartbeat, received_at=received_at)
@@ -136,11 +183,23 @@ def _check_sent_at(heartbeat: Heartbeat, received_at: datetime) -> None:
 
 
 class CommandResultHandler:
+    def __init__(self) -> None:
+        self.check_mac = AgentMacCheck(
+            RESULTS_STREAM,
+            StreamRefusals(
+                action="agent.result.refused",
+                counter=RESULTS_REFUSED_TOTAL,
+                detail="command results without a valid mac of this agent were dropped",
+            ),
+        )
+
     def parse(self, entry_id: str, fields: Mapping[str, str]) -> CommandResult:
         try:
-            return parse_command_result(fields)
+            result = parse_command_result(fields)
         except ContractError as exc:
             raise MalformedEntry(str(exc)) from exc
+        self.check_mac(result.agent, fields)
+        return result
 
     def apply(self, items: Sequence[CommandResult]) -> None:
         events = services.command_results_apply(results=items)

@@ -115,6 +115,7 @@ class Fleet:
         SigningKey.objects.create(
             key_id=self.signer.key_id, public_key=self.signer.public_key_b64, is_trusted=True
         )
+        self.trusted_keys = {self.signer.key_id: self.signer.public_key_b64}
         self.model = Model.objects.create(name="smol", task="chat")
 
     def version(self, label: str, path: Path) -> Any:
@@ -174,6 +175,7 @@ class AgentFiles(Protocol):
     """What `agent_args` needs of a fleet: the root of the agents' state directories."""
 
     tmp_path: Path
+    trusted_keys: dict[str, str]
 
 
 def agent_args(

@@ -6,12 +6,16 @@ from typing import Any
 
 from contracts.streams import (
     HEARTBEATS_STREAM,
+    RESULTS_STREAM,
     AgentState,
+    CommandResult,
     EnergySource,
     Heartbeat,
+    agent_fields_sign,
 )
 from controlplane.fleet import enrolment, services
 from controlplane.fleet.models import Agent
+from controlplane.fleet.stream_keys import agent_stream_key
 
 
 def heartbeat(agent: str = "agent-1", seq: int = 1, **changes: Any) -> Heartbeat:
@@ -51,8 +55,14 @@ def heartbeat(agent: str = "agent-1", seq: int = 1, **changes: Any) -> Heartbeat
     return replace(base, **changes)
 
 
+def signed_fields(entry: Heartbeat | CommandResult) -> dict[str, str]:
+    """The entry's stream fields with the `mac` its agent gives them (its stream key)."""
+    stream = HEARTBEATS_STREAM if isinstance(entry, Heartbeat) else RESULTS_STREAM
+    return agent_fields_sign(stream, entry.to_fields(), agent_stream_key(entry.agent))
+
+
 def publish(redis_client, beat: Heartbeat, entry_id: str = "*") -> str:
-    return redis_client.xadd(HEARTBEATS_STREAM, beat.to_fields(), id=entry_id)
+    return redis_client.xadd(HEARTBEATS_STREAM, signed_fields(beat), id=entry_id)
 
 
 def recent_minute() -> float:

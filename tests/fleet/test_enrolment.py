@@ -17,8 +17,9 @@ from contracts.redis_roles import GATEWAY_USER, INGEST_USER, agent_user
 from contracts.routing import REQUESTS_STREAM
 from contracts.streams import HEARTBEATS_STREAM, RESULTS_STREAM, commands_stream
 from controlplane.audit.models import AuditEvent
-from controlplane.fleet.agent_keys import agent_stream_key, command_public_key_b64
+from controlplane.fleet.command_signing import command_public_key_b64
 from controlplane.fleet.models import Agent, AgentEnrolment
+from controlplane.fleet.stream_keys import agent_stream_key
 from tests.api.support import assert_error, audit_count
 
 pytestmark = pytest.mark.django_db

@@ -259,6 +259,7 @@ def stack(committed_db, django_db_blocker, tmp_path_factory) -> Iterator[Stack]:
 
             class Holder:  # agent_args keeps the agents' state under tmp_path
                 tmp_path = tmp
+                trusted_keys = {signer.key_id: signer.public_key_b64}
 
             # The gateway process serves the whole ASGI application: the agents reach the
             # control plane's REST API (registration, artifact downloads) through it too.

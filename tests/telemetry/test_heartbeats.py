@@ -26,7 +26,14 @@ from controlplane.fleet import selectors, services
 from controlplane.fleet.models import Agent, AgentCommand, AgentSample
 from controlplane.telemetry.ingest import FleetTicker, HeartbeatHandler, LiveFleet, stream_handlers
 from controlplane.telemetry.streams import StreamIngestor
-from tests.fleet.support import entry_id_at, heartbeat, publish, recent_minute, register
+from tests.fleet.support import (
+    entry_id_at,
+    heartbeat,
+    publish,
+    recent_minute,
+    register,
+    signed_fields,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -93,11 +100,11 @@ def test_redelivered_and_reordered_heartbeats_change_nothing(redis_client, users
     handler = stream_handlers()[HEARTBEATS_STREAM]
     sent_at = recent_minute()
     older = handler.parse(
-        entry_id_at(sent_at), heartbeat(seq=1, sent_at=sent_at, running=5).to_fields()
+        entry_id_at(sent_at), signed_fields(heartbeat(seq=1, sent_at=sent_at, running=5))
     )
     newer = handler.parse(
         entry_id_at(sent_at + 1),
-        heartbeat(seq=2, sent_at=sent_at + 1, state=AgentState.DRAINING, running=1).to_fields(),
+        signed_fields(heartbeat(seq=2, sent_at=sent_at + 1, state=AgentState.DRAINING, running=1)),
     )
     handler.apply([newer])
     handler.apply([older])  # late: must not roll the agent back
@@ -223,7 +230,9 @@ def test_ticker_publishes_live_figures(redis_client, users, live_group) -> None:
     assert isinstance(handler, HeartbeatHandler)
     handler.live = live
     entry_id = publish(redis_client, heartbeat(seq=4, tokens_per_second=33.5))
-    handler.apply([handler.parse(entry_id, heartbeat(seq=4, tokens_per_second=33.5).to_fields())])
+    handler.apply(
+        [handler.parse(entry_id, signed_fields(heartbeat(seq=4, tokens_per_second=33.5)))]
+    )
     live_group.events()
     FleetTicker(live)(True)
     event = live_group.receive()
@@ -254,7 +263,7 @@ def test_history_derives_sums_from_cumulative_totals(users) -> None:
     # 25 heartbeats, one a second: 40 J and 20 tokens each.
     for second in range(25):
         beat = heartbeat(seq=second + 1, sent_at=start + second)
-        items.append(handler.parse(entry_id_at(beat.sent_at), beat.to_fields()))
+        items.append(handler.parse(entry_id_at(beat.sent_at), signed_fields(beat)))
     handler.apply(items)
     history = selectors.agent_history(
         agent=agent,
@@ -302,7 +311,7 @@ def test_a_result_that_overtakes_its_commands_commit_is_not_lost(redis_client, u
         detail="nothing to drain",
         finished_at=time.time(),
     )
-    redis_client.xadd(RESULTS_STREAM, entry.to_fields())
+    redis_client.xadd(RESULTS_STREAM, signed_fields(entry))
     drain(ingestor)
     sender.join(10)
     command = AgentCommand.objects.get(command_id=command_ids[0])
@@ -324,7 +333,7 @@ def test_command_results_move_the_command_forward_only(redis_client, users) -> N
             finished_at=time.time(),
             is_replay=is_replay,
         )
-        redis_client.xadd(RESULTS_STREAM, entry.to_fields())
+        redis_client.xadd(RESULTS_STREAM, signed_fields(entry))
 
     result(CommandStatus.ACCEPTED)
     result(CommandStatus.SUCCEEDED, "drained")
@@ -344,8 +353,8 @@ def test_rollups_past_retention_are_pruned(users, settings) -> None:
     old = time.time() - 3600
     handler.apply(
         [
-            handler.parse(entry_id_at(old), heartbeat(seq=1, sent_at=old).to_fields()),
-            handler.parse(entry_id_at(time.time()), heartbeat(seq=2).to_fields()),
+            handler.parse(entry_id_at(old), signed_fields(heartbeat(seq=1, sent_at=old))),
+            handler.parse(entry_id_at(time.time()), signed_fields(heartbeat(seq=2))),
         ]
     )
     settings.FLEET_SAMPLE_RETENTION_S = 1800
@@ -355,7 +364,7 @@ def test_rollups_past_retention_are_pruned(users, settings) -> None:
 
 def test_heartbeat_fields_are_flat_strings_that_round_trip() -> None:
     beat = heartbeat(seq=9, ttft_p50_s=None, joules_per_token=None)
-    fields = beat.to_fields()
+    fields = signed_fields(beat)
     assert all(isinstance(value, str) for value in fields.values())
     assert json.dumps(fields)  # flat
     handler = stream_handlers()[HEARTBEATS_STREAM]
@@ -428,7 +437,7 @@ def test_a_batch_gives_the_same_rows_as_its_heartbeats_one_at_a_time(users) -> N
     Agent.objects.update(last_seen=seen)
     handler = stream_handlers()[HEARTBEATS_STREAM]
     items = [
-        handler.parse(entry_id_at(beat.sent_at), beat.to_fields())
+        handler.parse(entry_id_at(beat.sent_at), signed_fields(beat))
         for beat in _coalescing_heartbeats()
     ]
     shuffled = items[:]
@@ -505,7 +514,8 @@ def test_a_batch_writes_each_agent_once_and_each_rollup_once(users) -> None:
     handler = stream_handlers()[HEARTBEATS_STREAM]
     beats = _coalescing_heartbeats()
     first = [
-        handler.parse(entry_id_at(beat.sent_at), beat.to_fields()) for beat in beats[:3] + beats[5:]
+        handler.parse(entry_id_at(beat.sent_at), signed_fields(beat))
+        for beat in beats[:3] + beats[5:]
     ]
     before = _rows_written()
     handler.apply(first)  # 6 heartbeats, 2 agents, 2 (agent, bucket) pairs
@@ -515,7 +525,7 @@ def test_a_batch_writes_each_agent_once_and_each_rollup_once(users) -> None:
     }
     before = _rows_written()
     handler.apply(
-        [handler.parse(entry_id_at(beat.sent_at), beat.to_fields()) for beat in beats[3:5]]
+        [handler.parse(entry_id_at(beat.sent_at), signed_fields(beat)) for beat in beats[3:5]]
     )
     assert _difference(_rows_written(), before) == {
         "fleet_agent": (0, 1),
@@ -545,7 +555,7 @@ def test_entries_the_database_would_refuse_are_dropped_as_malformed(redis_client
         HEARTBEATS_STREAM, {**good, "figures": json.dumps({**figures, "power_watts": 10**400})}
     )
     redis_client.xadd(HEARTBEATS_STREAM, {**good, "agent": b"agent-\xff"})  # not UTF-8
-    redis_client.xadd(HEARTBEATS_STREAM, good)
+    publish(redis_client, heartbeat(seq=7))
     drain(ingestor)
     assert metric("ingest_malformed_entries_total", stream=HEARTBEATS_STREAM) == before + 6
     assert Agent.objects.get(name="agent-1").last_seq == 7
