@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import re
 import secrets
 
@@ -17,6 +18,26 @@ IDENTITY_PATH = "/identity"
 NONCE_PATTERN = re.compile(r"[0-9a-fA-F]{32,128}")
 NONCE_BYTES = 32  # 64 hex characters
 INVALID_NONCE_CODE = "invalid_nonce"
+# RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens.
+HOST_NAME_PATTERN = re.compile(
+    r"(?=.{1,253}\Z)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
+)
+
+
+def is_valid_host(host: str) -> bool:
+    """A host name or an IP address (v4 or v6)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return HOST_NAME_PATTERN.fullmatch(host) is not None
+    return True
+
+
+def engine_endpoint(host: str, port: int) -> str:
+    """The URL of an agent's engine: `http://<host>:<port>`, an IPv6 host in brackets."""
+    is_ipv6 = ":" in host
+    return f"http://[{host}]:{port}" if is_ipv6 else f"http://{host}:{port}"
 
 
 def new_nonce() -> str:

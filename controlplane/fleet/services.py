@@ -18,6 +18,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from contracts.engine_identity import engine_endpoint, is_valid_host
 from contracts.streams import (
     COMMANDS_MAXLEN,
     CommandResult,
@@ -70,6 +71,22 @@ def agent_event_payload(agent: Agent) -> dict[str, Any]:
 
 # Registration.
 
+AGENT_PORT_COUNT = 2  # an agent's engine alternates between two ports on each load
+
+
+def agent_endpoints(*, advertise_host: str, ports: Sequence[int]) -> list[str]:
+    """The endpoints an agent's engines may serve at; DomainError("invalid") unless the host
+    is a host name or an IP address and the ports are two distinct ports in 1..65535."""
+    problems: dict[str, list[str]] = {}
+    if not is_valid_host(advertise_host):
+        problems["advertise_host"] = ["Must be a host name or an IP address."]
+    is_port = [isinstance(p, int) and not isinstance(p, bool) and 1 <= p <= 65535 for p in ports]
+    if len(ports) != AGENT_PORT_COUNT or not all(is_port) or len(set(ports)) != len(ports):
+        problems["ports"] = ["Must be the agent's two distinct engine ports, each 1..65535."]
+    if problems:
+        raise DomainError("invalid", "The agent's endpoints are not valid.", fields=problems)
+    return [engine_endpoint(advertise_host, port) for port in ports]
+
 
 @transaction.atomic
 def agent_register(
@@ -78,27 +95,42 @@ def agent_register(
     name: str,
     host: str,
     endpoint: str,
+    advertise_host: str,
     ports: list[int],
     inventory: dict[str, Any],
     energy_source: str,
 ) -> tuple[Agent, bool]:
     """Create or refresh an agent by name; (agent, created). Agents re-register at every start
-    and after every Redis outage, so only a new agent or a changed host is audited."""
+    and after every Redis outage, so only a new agent, a changed host or changed endpoints
+    are audited.
+
+    The endpoints (`advertise_host` x `ports`) are the only ones its heartbeats may name and
+    the reconciler may route to; `endpoint`, the engine serving now, must be one of them.
+    """
     if not access.can_register_agent(actor):
         raise Forbidden("Only the agent service account (or an admin) registers agents.")
     if name in RESERVED_AGENT_NAMES:
         raise DomainError("reserved_name", f"{name!r} is reserved.", fields={"name": [name]})
+    endpoints = agent_endpoints(advertise_host=advertise_host, ports=ports)
+    if endpoint and endpoint not in endpoints:
+        raise DomainError(
+            "unregistered_endpoint",
+            "The endpoint is not one of the agent's advertise host and ports.",
+            fields={"endpoint": [f"Must be empty or one of {', '.join(endpoints)}."]},
+        )
     now = timezone.now()
     # get_or_create settles two first registrations racing (the unique name decides).
     _, created = Agent.objects.get_or_create(
         name=name, defaults={"registered_at": now, "host": host, "state": AgentState.IDLE}
     )
     agent = Agent.objects.select_for_update().get(name=name)
-    before = None if created else agent.snapshot()
-    is_moved = not created and agent.host != host
+    before = None if created else {**agent.snapshot(), "endpoints": agent.endpoints}
+    is_moved = not created and (agent.host != host or agent.endpoints != endpoints)
     agent.host = host
     agent.endpoint = endpoint
     agent.ports = ports
+    agent.advertise_host = advertise_host
+    agent.endpoints = endpoints
     agent.inventory = inventory
     agent.accelerator = str(inventory.get("accelerator") or "")[:200]
     agent.energy_source = energy_source
@@ -120,7 +152,11 @@ def agent_register(
             object_id=agent.name,
             object_repr=agent.name,
             before=before,
-            after={**agent.snapshot(), "accelerator": agent.accelerator},
+            after={
+                **agent.snapshot(),
+                "endpoints": agent.endpoints,
+                "accelerator": agent.accelerator,
+            },
         )
     if created or was_lost:
         payload = agent_event_payload(agent)

@@ -73,6 +73,7 @@ def register(name: str = "agent-1", *, actor: Any, host: str = "host-a") -> Agen
         name=name,
         host=host,
         endpoint="",
+        advertise_host="127.0.0.1",
         ports=[9100, 9101],
         inventory={"kind": "cpu", "accelerator": "Test CPU", "cpu_cores": 2},
         energy_source="estimate",
