@@ -164,6 +164,14 @@ def agent_register(
     return agent, created
 
 
+def agent_endpoint_mark_verified(*, agent_id: int, command_id: str, endpoint: str) -> None:
+    """Remember that the engine at `endpoint` proved it holds the admin secret of load
+    `command_id` of this agent (GET /identity): it is routed without being asked again."""
+    Agent.objects.filter(pk=agent_id).update(
+        verified_endpoint=endpoint, verified_load_command_id=command_id
+    )
+
+
 # Commands.
 
 

@@ -11,7 +11,7 @@ from contracts.streams import (
     Heartbeat,
 )
 from controlplane.fleet import services
-from controlplane.fleet.models import Agent
+from controlplane.fleet.models import Agent, AgentCommand
 
 
 def heartbeat(agent: str = "agent-1", seq: int = 1, **changes: Any) -> Heartbeat:
@@ -79,3 +79,11 @@ def register(name: str = "agent-1", *, actor: Any, host: str = "host-a") -> Agen
         energy_source="estimate",
     )
     return agent
+
+
+def mark_endpoint_verified(agent: Agent, command: AgentCommand) -> None:
+    """Record what the reconciler records once the engine at the agent's endpoint proved
+    it holds this load's admin secret (GET /identity): for agents without an engine."""
+    services.agent_endpoint_mark_verified(
+        agent_id=agent.pk, command_id=command.command_id, endpoint=agent.endpoint
+    )
