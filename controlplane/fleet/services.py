@@ -128,6 +128,7 @@ def agent_register(
     is_moved = not created and (agent.host != host or agent.endpoints != endpoints)
     agent.host = host
     agent.endpoint = endpoint
+    agent.verified_endpoint = ""  # a new agent process: its engine proves itself again
     agent.ports = ports
     agent.advertise_host = advertise_host
     agent.endpoints = endpoints
@@ -399,7 +400,8 @@ def agents_mark_lost(*, now: datetime | None = None) -> list[dict[str, Any]]:
             seconds = (now - agent.last_seen).total_seconds() if agent.last_seen else 0.0
             agent.state = AgentState.LOST
             agent.detail = f"no heartbeat for {seconds:.1f}s (was {before['state']})"
-            agent.save(update_fields=["state", "detail", "updated_at"])
+            agent.verified_endpoint = ""  # should it come back, its engine proves itself again
+            agent.save(update_fields=["state", "detail", "verified_endpoint", "updated_at"])
             audit_event_record(
                 actor=None,
                 action="agent.lost",

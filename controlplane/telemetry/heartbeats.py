@@ -79,6 +79,7 @@ class LockedAgent:
     last_seen_micros: int | None
     last_sent_micros: int | None
     endpoints: frozenset[str]  # registered; a heartbeat may name one of them or none
+    verified_endpoint: str
 
 
 def compact_figures(heartbeat: Heartbeat) -> dict[str, Any]:
@@ -285,6 +286,7 @@ AGENT_UPDATE_TYPES = {
     "state": "varchar",
     "detail": "text",
     "endpoint": "varchar",
+    "verified_endpoint": "varchar",
     "loaded_version_id": "bigint",
     "loaded_digest": "varchar",
     "figures": "jsonb",
@@ -347,7 +349,7 @@ def _lock_agents(names: set[str]) -> dict[str, LockedAgent]:
         times, listed, for_update = "last_seen, last_sent_at", "SELECT value FROM json_each(%s)", ""
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT id, name, state, detail, {times}, endpoints FROM {table} "  # noqa: S608
+            f"SELECT id, name, state, detail, {times}, endpoints, verified_endpoint FROM {table} "  # noqa: S608
             f"WHERE name IN ({listed}) ORDER BY id{for_update}",
             [json.dumps(sorted(names))],
         )
@@ -360,8 +362,9 @@ def _lock_agents(names: set[str]) -> dict[str, LockedAgent]:
             last_seen_micros=_as_micros(last_seen),
             last_sent_micros=_as_micros(last_sent_at),
             endpoints=frozenset(json.loads(endpoints) if isinstance(endpoints, str) else endpoints),
+            verified_endpoint=verified,
         )
-        for agent_id, name, state, detail, last_seen, last_sent_at, endpoints in rows
+        for agent_id, name, state, detail, last_seen, last_sent_at, endpoints, verified in rows
     }
 
 
@@ -433,12 +436,16 @@ def heartbeats_apply(
             else max(agent.last_seen_micros, received_micros)
         )
         version_id = heartbeat.version_id if heartbeat.version_id in existing_versions else None
+        # An engine proved itself only while it keeps serving there: once the agent reports
+        # anything else (it failed, restarted, moved) the next one is challenged afresh.
+        is_same_engine = state == AgentState.READY and heartbeat.endpoint == agent.verified_endpoint
         updates.append(
             {
                 "id": agent.id,
                 "state": state,
                 "detail": detail,
                 "endpoint": heartbeat.endpoint,
+                "verified_endpoint": agent.verified_endpoint if is_same_engine else "",
                 "loaded_version_id": version_id,
                 "loaded_digest": heartbeat.version_digest,
                 "figures": heartbeat.figures(),
