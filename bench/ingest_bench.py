@@ -462,7 +462,17 @@ def measure(options: Options, out_dir: Path | None, log: Any = print) -> dict[st
     names = [f"{AGENT_PREFIX}{i:05d}" for i in range(options.agents)]
     now = timezone.now()
     Agent.objects.bulk_create(
-        [Agent(name=name, host="bench-host", registered_at=now, last_seen=now) for name in names],
+        [
+            # The endpoint the heartbeats name is registered: ingest refuses any other.
+            Agent(
+                name=name,
+                host="bench-host",
+                endpoints=["http://10.0.0.1:9100", "http://10.0.0.1:9101"],
+                registered_at=now,
+                last_seen=now,
+            )
+            for name in names
+        ],
         batch_size=1000,
     )
     client = redis.Redis.from_url(redis_url, decode_responses=True)
