@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from contracts.engine_identity import engine_endpoint, is_valid_host
 from contracts.streams import HEARTBEAT_INTERVAL_S, ContractError, validate_agent_name
 
 ENERGY_SOURCE_CHOICES = ("auto", "nvml", "rapl", "estimate")
@@ -50,6 +51,11 @@ class AgentConfig:
             raise ValueError(
                 f"--port must be within 1..65534 (port+1 is used too), got {self.port}"
             )
+        if not is_valid_host(self.advertise_host):
+            raise ValueError(
+                "--advertise-host must be a host name or an IP address, "
+                f"got {self.advertise_host!r}"
+            )
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--redis must be a redis:// URL, got {self.redis_url!r}")
         if not self.control_plane_url.startswith(("http://", "https://")):
@@ -80,7 +86,7 @@ class AgentConfig:
         return self.state_dir / "logs"
 
     def endpoint_for(self, port: int) -> str:
-        return f"http://{self.advertise_host}:{port}"
+        return engine_endpoint(self.advertise_host, port)
 
 
 def parse_engine_command(text: str) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from engine.config import EngineSecrets
+from engine.config import AGENT_NAME_VARIABLE, EngineSecrets
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class EngineSpec:
     fault_error_rate: float = 0.0
     # Passed in the engine's environment, never its arguments (`ps` shows those).
     secrets: EngineSecrets | None = field(default=None, repr=False)
+    agent_name: str = ""  # the engine answers it, with a proof, on GET /identity
 
     def arguments(self) -> list[str]:
         return [
@@ -125,7 +126,11 @@ class EngineProcess:
         with open(self.log_path, "ab") as log:
             self._process = subprocess.Popen(
                 self.command,
-                env={**os.environ, **self._secrets.environment()},
+                env={
+                    **os.environ,
+                    **self._secrets.environment(),
+                    AGENT_NAME_VARIABLE: self.spec.agent_name,
+                },
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -196,6 +196,8 @@ class Agent:
             "name": self.config.name,
             "host": self.host,
             "endpoint": endpoint,
+            # Where its engines can be reached: the control plane routes to no other.
+            "advertise_host": self.config.advertise_host,
             "ports": [self.config.port, self.config.port + 1],
             "inventory": self.inventory,
             "energy_source": self.energy.source.value,
@@ -626,6 +628,7 @@ class Agent:
             fault_latency_ms=faults.latency_ms_per_token,
             fault_error_rate=faults.error_rate,
             secrets=EngineSecrets(serving=load.serving_secret, admin=load.admin_secret),
+            agent_name=self.config.name,
         )
         try:
             engine = EngineProcess(

@@ -475,7 +475,14 @@ def measure(options: Options, out_dir: Path | None, log: Any = print) -> dict[st
     now = timezone.now()
     AgentRow.objects.bulk_create(
         [
-            AgentRow(name=name, host="bench-host", registered_at=now, last_seen=now)
+            # The endpoint the heartbeats name is registered: ingest refuses any other.
+            AgentRow(
+                name=name,
+                host="bench-host",
+                endpoints=["http://10.0.0.1:9100", "http://10.0.0.1:9101"],
+                registered_at=now,
+                last_seen=now,
+            )
             for name in names
         ],
         batch_size=1000,

@@ -1,7 +1,8 @@
 """`python -m engine serve --model smollm2 --dtype float32 --port 8100`.
 
 The two bearer secrets come from the environment (ENGINE_SERVING_SECRET,
-ENGINE_ADMIN_SECRET; see engine.config.EngineSecrets), never from the arguments.
+ENGINE_ADMIN_SECRET; see engine.config.EngineSecrets), never from the arguments, and so does
+the name of the agent it serves for (ENGINE_AGENT_NAME), which GET /identity answers.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import uvicorn
 
 from engine.config import (
     ADMIN_SECRET_VARIABLE,
+    AGENT_NAME_VARIABLE,
     DTYPES,
     SERVING_SECRET_VARIABLE,
     EngineConfig,
@@ -151,10 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     # Read once; nothing this process starts needs them.
     os.environ.pop(SERVING_SECRET_VARIABLE, None)
     os.environ.pop(ADMIN_SECRET_VARIABLE, None)
+    agent_name = os.environ.pop(AGENT_NAME_VARIABLE, "")
     if config.threads:
         torch.set_num_threads(config.threads)
         torch.set_num_interop_threads(1)
-    app = EngineApp(config, secrets=secrets, embedding_only=embedding_only)
+    app = EngineApp(config, secrets=secrets, embedding_only=embedding_only, agent_name=agent_name)
     uvicorn_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
         access_log=args.log_level == "debug", timeout_graceful_shutdown=5,

@@ -14,6 +14,8 @@ DTYPES = ("float32", "bfloat16", "int8")
 SERVING_SECRET_VARIABLE = "ENGINE_SERVING_SECRET"  # noqa: S105 - a variable's name
 ADMIN_SECRET_VARIABLE = "ENGINE_ADMIN_SECRET"  # noqa: S105 - a variable's name
 SECRET_VARIABLES = (SERVING_SECRET_VARIABLE, ADMIN_SECRET_VARIABLE)
+# The agent the engine serves for: it answers it, with a proof, on GET /identity.
+AGENT_NAME_VARIABLE = "ENGINE_AGENT_NAME"
 # Visible ASCII without spaces: it travels in an HTTP header. 32 characters at least.
 SECRET_PATTERN = re.compile(r"^[!-~]{32,256}$")
 

@@ -18,9 +18,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
+from urllib.parse import parse_qs
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
+from contracts.engine_identity import (
+    IDENTITY_PATH,
+    INVALID_NONCE_CODE,
+    identity_proof,
+    is_valid_nonce,
+)
 from contracts.openai_request import (
     RequestFieldError,
     check_chat_request,
@@ -136,10 +143,17 @@ class EngineApp:
     """The ASGI application: one LLM engine (or none, for embedding-only servers)."""
 
     def __init__(
-        self, config: EngineConfig, *, secrets: EngineSecrets, embedding_only: bool = False
+        self,
+        config: EngineConfig,
+        *,
+        secrets: EngineSecrets,
+        embedding_only: bool = False,
+        agent_name: str = "",
     ):
         self.config = config
         self._secrets = {"serving": secrets.serving.encode(), "admin": secrets.admin.encode()}
+        self._admin_secret = secrets.admin
+        self.agent_name = agent_name  # "" for an engine started by hand
         self.registry = CollectorRegistry()  # the server's own series, beside the engine's
         self.refused = Counter(
             "engine:unauthorized_requests",
@@ -232,6 +246,9 @@ class EngineApp:
         }
         handler = routes.get((request.method, request.path.rstrip("/") or "/"))
         try:
+            if request.method == "GET" and request.path == IDENTITY_PATH:
+                await self.identity(request)  # no credential: it proves, it opens nothing
+                return
             # Before anything else, unknown paths included: a refused request touches nothing.
             self._authenticate(request)
             if handler is None:
@@ -302,6 +319,20 @@ class EngineApp:
             await request.respond_json(503, {"status": "failed", "error": self.failure})
         else:
             await request.respond_json(503, {"status": status})
+
+    async def identity(self, request: HttpRequest) -> None:
+        """{"agent", "proof"}: the agent this engine serves for, and an HMAC of it and the
+        caller's nonce under the admin secret (contracts.engine_identity)."""
+        query = parse_qs(bytes(request.scope.get("query_string", b"")).decode("latin-1"))
+        nonces = query.get("nonce", [])
+        if len(nonces) != 1 or not is_valid_nonce(nonces[0]):
+            raise ApiError(
+                400, "nonce must be 32 to 128 hex characters", param="nonce",
+                code=INVALID_NONCE_CODE,
+            )  # fmt: skip
+        proof = identity_proof(admin_secret=self._admin_secret, agent=self.agent_name,
+                               nonce=nonces[0])  # fmt: skip
+        await request.respond_json(200, {"agent": self.agent_name, "proof": proof})
 
     async def models(self, request: HttpRequest) -> None:
         names = [self.config.served_model_name]

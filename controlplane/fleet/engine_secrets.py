@@ -45,11 +45,11 @@ def engine_secrets_payload(*, agent_name: str, command_id: str) -> dict[str, str
 SERVING_LOAD_STATUSES = (CommandStatus.ACCEPTED, CommandStatus.SUCCEEDED)
 
 
-def serving_secrets(agents: Iterable[Agent]) -> dict[int, str]:
-    """{agent id: serving secret} of the engine each agent runs for its loaded version: the
+def serving_loads(agents: Iterable[Agent]) -> dict[int, str]:
+    """{agent id: load command id} of the engine each agent runs for its loaded version: the
     one its latest load of that version started, accepted or succeeded (agents run their
     commands in order; a failed load left the previous engine serving). An agent without
-    such a load is left out: its engine's secret is unknown.
+    such a load is left out: its engine's secrets are unknown.
     """
     loaded = {agent.pk: agent.loaded_version_id for agent in agents if agent.loaded_version_id}
     if not loaded:
@@ -62,13 +62,23 @@ def serving_secrets(agents: Iterable[Agent]) -> dict[int, str]:
             version_id__in=set(loaded.values()),
         )
         .order_by("agent_id", "-created_at", "-id")
-        .values_list("agent_id", "agent__name", "version_id", "command_id")
+        .values_list("agent_id", "version_id", "command_id")
     )
-    secrets: dict[int, str] = {}
-    for agent_id, agent_name, version_id, command_id in commands:
-        if agent_id in secrets or loaded[agent_id] != version_id:
+    loads: dict[int, str] = {}
+    for agent_id, version_id, command_id in commands:
+        if agent_id in loads or loaded[agent_id] != version_id:
             continue
-        secrets[agent_id] = engine_secret(
-            purpose=SERVING, agent_name=agent_name, command_id=command_id
-        )
-    return secrets
+        loads[agent_id] = command_id
+    return loads
+
+
+def serving_secrets(agents: Iterable[Agent], loads: dict[int, str] | None = None) -> dict[int, str]:
+    """{agent id: serving secret} of the engine each agent runs for its loaded version (of
+    the load `serving_loads` finds, or the given `loads`)."""
+    agents = list(agents)
+    loads = serving_loads(agents) if loads is None else loads
+    return {
+        agent.pk: engine_secret(purpose=SERVING, agent_name=agent.name, command_id=loads[agent.pk])
+        for agent in agents
+        if agent.pk in loads
+    }

@@ -25,6 +25,14 @@ class Agent(models.Model):
     host = models.CharField(max_length=255)
     endpoint = models.CharField(max_length=255, blank=True)  # the serving engine, "" when none
     ports = models.JSONField(default=list, blank=True)
+    advertise_host = models.CharField(max_length=253, blank=True)  # how its engines are reached
+    # The URLs its engines may serve at (advertise host x ports), set by registration only:
+    # a heartbeat naming any other endpoint is refused.
+    endpoints = models.JSONField(default=list, blank=True)
+    # The endpoint whose engine last proved (GET /identity) that it holds the admin secret of
+    # the load command named here: routed without being challenged again.
+    verified_endpoint = models.CharField(max_length=255, blank=True)
+    verified_load_command_id = models.CharField(max_length=32, blank=True)
     inventory = models.JSONField(default=dict, blank=True)  # accelerator, memory, driver, CPU
     accelerator = models.CharField(max_length=200, blank=True)  # inventory["accelerator"]
     energy_source = models.CharField(max_length=20, blank=True)  # nvml, rapl or estimate

@@ -24,6 +24,7 @@ class AgentSerializer(serializers.ModelSerializer):
             "name",
             "host",
             "endpoint",
+            "endpoints",
             "ports",
             "state",
             "detail",
@@ -91,8 +92,9 @@ class RegistrationSerializer(StrictSerializer):
     name = serializers.RegexField(AGENT_NAME_PATTERN)
     host = serializers.CharField(max_length=255)
     endpoint = serializers.CharField(max_length=255, allow_blank=True)
+    advertise_host = serializers.CharField(max_length=253)  # checked by agent_register
     ports = serializers.ListField(
-        child=serializers.IntegerField(min_value=1, max_value=65535), max_length=8
+        child=serializers.IntegerField(min_value=1, max_value=65535), min_length=2, max_length=2
     )
     inventory = serializers.DictField()
     energy_source = serializers.ChoiceField(choices=[source.value for source in EnergySource])

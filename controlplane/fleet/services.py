@@ -18,6 +18,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from contracts.engine_identity import engine_endpoint, is_valid_host
 from contracts.streams import (
     COMMANDS_MAXLEN,
     CommandResult,
@@ -71,6 +72,22 @@ def agent_event_payload(agent: Agent) -> dict[str, Any]:
 
 # Registration.
 
+AGENT_PORT_COUNT = 2  # an agent's engine alternates between two ports on each load
+
+
+def agent_endpoints(*, advertise_host: str, ports: Sequence[int]) -> list[str]:
+    """The endpoints an agent's engines may serve at; DomainError("invalid") unless the host
+    is a host name or an IP address and the ports are two distinct ports in 1..65535."""
+    problems: dict[str, list[str]] = {}
+    if not is_valid_host(advertise_host):
+        problems["advertise_host"] = ["Must be a host name or an IP address."]
+    is_port = [isinstance(p, int) and not isinstance(p, bool) and 1 <= p <= 65535 for p in ports]
+    if len(ports) != AGENT_PORT_COUNT or not all(is_port) or len(set(ports)) != len(ports):
+        problems["ports"] = ["Must be the agent's two distinct engine ports, each 1..65535."]
+    if problems:
+        raise DomainError("invalid", "The agent's endpoints are not valid.", fields=problems)
+    return [engine_endpoint(advertise_host, port) for port in ports]
+
 
 @transaction.atomic
 def agent_register(
@@ -79,15 +96,28 @@ def agent_register(
     name: str,
     host: str,
     endpoint: str,
+    advertise_host: str,
     ports: list[int],
     inventory: dict[str, Any],
     energy_source: str,
 ) -> tuple[Agent, bool]:
     """Refresh an enrolled agent's registration; (agent, is_first). Agents re-register at
-    every start and after every Redis outage, so only the first registration or a changed
-    host is audited. Only the agent's own account (from its enrolment) registers its name."""
+    every start and after every Redis outage, so only the first registration, a changed host
+    or changed endpoints are audited. Only the agent's own account (from its enrolment)
+    registers its name.
+
+    The endpoints (`advertise_host` x `ports`) are the only ones its heartbeats may name and
+    the reconciler may route to; `endpoint`, the engine serving now, must be one of them.
+    """
     if not access.can_register_agent(actor):
         raise Forbidden("Only an enrolled agent (or an admin) registers agents.")
+    endpoints = agent_endpoints(advertise_host=advertise_host, ports=ports)
+    if endpoint and endpoint not in endpoints:
+        raise DomainError(
+            "unregistered_endpoint",
+            "The endpoint is not one of the agent's advertise host and ports.",
+            fields={"endpoint": [f"Must be empty or one of {', '.join(endpoints)}."]},
+        )
     now = timezone.now()
     agent = Agent.objects.select_for_update().filter(name=name).first()
     if agent is None or agent.enrolled_at is None:
@@ -95,11 +125,14 @@ def agent_register(
     if not access.is_admin(actor) and agent.account_id != getattr(actor, "pk", None):
         raise Forbidden(f"These credentials are not agent {name!r}'s.")
     created = not agent.host
-    before = None if created else agent.snapshot()
-    is_moved = not created and agent.host != host
+    before = None if created else {**agent.snapshot(), "endpoints": agent.endpoints}
+    is_moved = not created and (agent.host != host or agent.endpoints != endpoints)
     agent.host = host
     agent.endpoint = endpoint
+    agent.verified_endpoint = ""  # a new agent process: its engine proves itself again
     agent.ports = ports
+    agent.advertise_host = advertise_host
+    agent.endpoints = endpoints
     agent.inventory = inventory
     agent.accelerator = str(inventory.get("accelerator") or "")[:200]
     agent.energy_source = energy_source
@@ -121,12 +154,24 @@ def agent_register(
             object_id=agent.name,
             object_repr=agent.name,
             before=before,
-            after={**agent.snapshot(), "accelerator": agent.accelerator},
+            after={
+                **agent.snapshot(),
+                "endpoints": agent.endpoints,
+                "accelerator": agent.accelerator,
+            },
         )
     if created or was_lost:
         payload = agent_event_payload(agent)
         transaction.on_commit(lambda: fleet_event_publish("agent.state", payload))
     return agent, created
+
+
+def agent_endpoint_mark_verified(*, agent_id: int, command_id: str, endpoint: str) -> None:
+    """Remember that the engine at `endpoint` proved it holds the admin secret of load
+    `command_id` of this agent (GET /identity): it is routed without being asked again."""
+    Agent.objects.filter(pk=agent_id).update(
+        verified_endpoint=endpoint, verified_load_command_id=command_id
+    )
 
 
 # Commands.
@@ -384,7 +429,8 @@ def agents_mark_lost(*, now: datetime | None = None) -> list[dict[str, Any]]:
             seconds = (now - agent.last_seen).total_seconds() if agent.last_seen else 0.0
             agent.state = AgentState.LOST
             agent.detail = f"no heartbeat for {seconds:.1f}s (was {before['state']})"
-            agent.save(update_fields=["state", "detail", "updated_at"])
+            agent.verified_endpoint = ""  # should it come back, its engine proves itself again
+            agent.save(update_fields=["state", "detail", "verified_endpoint", "updated_at"])
             audit_event_record(
                 actor=None,
                 action="agent.lost",

@@ -122,6 +122,7 @@ class AgentRegisterView(APIView):
             name=data["name"],
             host=data["host"],
             endpoint=data["endpoint"],
+            advertise_host=data["advertise_host"],
             ports=data["ports"],
             inventory=data["inventory"],
             energy_source=data["energy_source"],

@@ -21,7 +21,8 @@ from django.conf import settings
 from django.utils import timezone
 
 from controlplane.core.errors import DomainError
-from controlplane.fleet.engine_secrets import serving_secrets
+from controlplane.fleet.endpoint_checks import is_endpoint_verified
+from controlplane.fleet.engine_secrets import serving_loads, serving_secrets
 from controlplane.fleet.models import Agent, AgentState
 from controlplane.registry import store
 from controlplane.registry.models import EvalSuite, Evaluation
@@ -55,7 +56,8 @@ class EngineTarget:
 
 
 def _ready_engine(version_id: int) -> EngineTarget | None:
-    """The first ready agent serving the version whose engine's serving secret is known."""
+    """The first ready agent serving the version whose engine's serving secret is known and
+    whose endpoint the reconciler verified (the serving secret goes to no other)."""
     fresh_after = timezone.now() - timedelta(seconds=settings.ROLLOUTS_AGENT_FRESH_S)
     agents = list(
         Agent.objects.filter(
@@ -64,9 +66,10 @@ def _ready_engine(version_id: int) -> EngineTarget | None:
         .exclude(endpoint="")
         .order_by("name")
     )
-    secrets = serving_secrets(agents)
+    loads = serving_loads(agents)
+    secrets = serving_secrets(agents, loads)
     for agent in agents:
-        if agent.pk in secrets:
+        if agent.pk in secrets and is_endpoint_verified(agent, loads[agent.pk]):
             return EngineTarget(endpoint=agent.endpoint, serving_secret=secrets[agent.pk])
     return None
 

@@ -6,7 +6,8 @@ that went away), so running it twice, or after any half-done step, is safe. Pass
 one deployment are serialized by a Redis lock. The table routes only to ready agents:
 state ready, loaded version matching, seen within ROLLOUTS_AGENT_FRESH_S, with a load
 of that version accepted or succeeded (each endpoint's serving secret derives from the
-latest). A revoked
+latest), at an endpoint the agent registered whose engine proved it holds that load's
+admin secret (controlplane.fleet.endpoint_checks). A revoked
 version is never routed nor kept loaded, and an active rollout of one is ended first.
 """
 
@@ -27,7 +28,8 @@ from contracts.routing import (
 )
 from controlplane.core.errors import DomainError
 from controlplane.core.redis_clients import redis_client
-from controlplane.fleet.engine_secrets import serving_secrets
+from controlplane.fleet.endpoint_checks import endpoints_verify
+from controlplane.fleet.engine_secrets import serving_loads, serving_secrets
 from controlplane.fleet.models import Agent, AgentCommand, AgentState, CommandKind, CommandStatus
 from controlplane.registry.models import ModelVersion, VersionStatus
 from controlplane.registry.serving import context_length
@@ -58,10 +60,9 @@ class ReconcileReport:
     skipped: str = ""
 
 
-def _is_ready(agent: Agent, version_id: int, fresh_after: Any, secrets: dict[int, str]) -> bool:
+def _is_serving(agent: Agent, version_id: int | None, fresh_after: Any) -> bool:
     return (
-        agent.pk in secrets  # the gateway could not authenticate to its engine otherwise
-        and agent.state == AgentState.READY
+        agent.state == AgentState.READY
         and agent.loaded_version_id == version_id
         and bool(agent.endpoint)
         and agent.last_seen is not None
@@ -115,17 +116,25 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
     now = timezone.now()
     fresh_after = now - timedelta(seconds=settings.ROLLOUTS_AGENT_FRESH_S)
     agents = list(Agent.objects.all())
-    # Each engine's serving secret, from its agent's load command; the admin secrets are
-    # never published.
-    secrets = serving_secrets(agents)
-
     stable_id = desired.get("stable_version_id") or deployment.stable_version_id
     canary_id = desired.get("canary_version_id")
     weight = int(desired.get("canary_weight") or 0)
     tenants = desired.get("canary_tenants") or []
 
+    # Each engine's load command: its serving secret (published) and admin secret (never
+    # published: the engine proves it holds it before its endpoint is routed).
+    loads = serving_loads(agents)
+    secrets = serving_secrets(agents, loads)
+    serving = [
+        a
+        for a in agents
+        if a.pk in secrets  # the gateway could not authenticate to its engine otherwise
+        and (_is_serving(a, stable_id, fresh_after) or _is_serving(a, canary_id, fresh_after))
+    ]
+    verified = endpoints_verify(agents=serving, loads=loads, client=client)
+
     def ready_agents(version_id: int) -> list[Agent]:
-        ready = [a for a in agents if _is_ready(a, version_id, fresh_after, secrets)]
+        ready = [a for a in serving if a.pk in verified and a.loaded_version_id == version_id]
         return sorted(ready, key=lambda agent: agent.endpoint)
 
     def ready_endpoints(version_id: int) -> list[str]:

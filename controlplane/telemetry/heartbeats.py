@@ -56,6 +56,13 @@ class HeartbeatBatchOutcome:
     state_events: list[dict[str, Any]] = field(default_factory=list)
     # Each agent's newest heartbeat applied in the batch (the live figures are made from it).
     latest: dict[str, Heartbeat] = field(default_factory=dict)
+    # Refused, changing nothing: agent -> the endpoints its heartbeats named that it never
+    # registered, and how many heartbeats named each.
+    unregistered_endpoints: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def refused(self) -> int:
+        return sum(sum(named.values()) for named in self.unregistered_endpoints.values())
 
 
 @dataclass(slots=True)
@@ -71,6 +78,8 @@ class LockedAgent:
     detail: str
     last_seen_micros: int | None
     last_sent_micros: int | None
+    endpoints: frozenset[str]  # registered; a heartbeat may name one of them or none
+    verified_endpoint: str
 
 
 def compact_figures(heartbeat: Heartbeat) -> dict[str, Any]:
@@ -277,6 +286,7 @@ AGENT_UPDATE_TYPES = {
     "state": "varchar",
     "detail": "text",
     "endpoint": "varchar",
+    "verified_endpoint": "varchar",
     "loaded_version_id": "bigint",
     "loaded_digest": "varchar",
     "figures": "jsonb",
@@ -339,7 +349,7 @@ def _lock_agents(names: set[str]) -> dict[str, LockedAgent]:
         times, listed, for_update = "last_seen, last_sent_at", "SELECT value FROM json_each(%s)", ""
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT id, name, state, detail, {times} FROM {table} "  # noqa: S608
+            f"SELECT id, name, state, detail, {times}, endpoints, verified_endpoint FROM {table} "  # noqa: S608
             f"WHERE name IN ({listed}) ORDER BY id{for_update}",
             [json.dumps(sorted(names))],
         )
@@ -351,8 +361,10 @@ def _lock_agents(names: set[str]) -> dict[str, LockedAgent]:
             detail=detail,
             last_seen_micros=_as_micros(last_seen),
             last_sent_micros=_as_micros(last_sent_at),
+            endpoints=frozenset(json.loads(endpoints) if isinstance(endpoints, str) else endpoints),
+            verified_endpoint=verified,
         )
-        for agent_id, name, state, detail, last_seen, last_sent_at in rows
+        for agent_id, name, state, detail, last_seen, last_sent_at, endpoints, verified in rows
     }
 
 
@@ -368,7 +380,8 @@ def heartbeats_apply(
 
     Idempotent and order-safe (see the module docstring), and the same whether heartbeats
     come in one batch or several. Heartbeats of agents that never registered are skipped
-    and reported in `unknown_agents`.
+    and reported in `unknown_agents`; a heartbeat naming an endpoint its agent did not
+    register is refused, changing nothing, and reported in `unregistered_endpoints`.
     """
     now = now or timezone.now()
     stale_before = now - timedelta(seconds=settings.FLEET_LOST_AFTER_S)
@@ -381,6 +394,10 @@ def heartbeats_apply(
         agent = agents.get(heartbeat.agent)
         if agent is None:
             outcome.unknown_agents.add(heartbeat.agent)
+            continue
+        if heartbeat.endpoint and heartbeat.endpoint not in agent.endpoints:
+            named = outcome.unregistered_endpoints.setdefault(heartbeat.agent, {})
+            named[heartbeat.endpoint] = named.get(heartbeat.endpoint, 0) + 1
             continue
         outcome.applied += 1
         sent_micros = _micros(heartbeat.sent_at)
@@ -419,12 +436,16 @@ def heartbeats_apply(
             else max(agent.last_seen_micros, received_micros)
         )
         version_id = heartbeat.version_id if heartbeat.version_id in existing_versions else None
+        # An engine proved itself only while it keeps serving there: once the agent reports
+        # anything else (it failed, restarted, moved) the next one is challenged afresh.
+        is_same_engine = state == AgentState.READY and heartbeat.endpoint == agent.verified_endpoint
         updates.append(
             {
                 "id": agent.id,
                 "state": state,
                 "detail": detail,
                 "endpoint": heartbeat.endpoint,
+                "verified_endpoint": agent.verified_endpoint if is_same_engine else "",
                 "loaded_version_id": version_id,
                 "loaded_digest": heartbeat.version_digest,
                 "figures": heartbeat.figures(),

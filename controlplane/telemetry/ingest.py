@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from django.conf import settings
+from django.db import DatabaseError
 from prometheus_client import Counter, Gauge
 
 from contracts.fields_mac import FieldsMacError
@@ -34,6 +35,7 @@ from contracts.streams import (
     parse_command_result,
     parse_heartbeat,
 )
+from controlplane.audit.services import audit_event_record
 from controlplane.fleet import services
 from controlplane.fleet.refusals import MAX_REMEMBERED_AGENTS, StreamRefusals
 from controlplane.fleet.stream_keys import agent_stream_key
@@ -48,8 +50,9 @@ UNKNOWN_AGENT_TOTAL = Counter(
 LOST_TOTAL = Counter("fleet_agents_lost_total", "Agents marked lost by ingest")
 HEARTBEATS_REFUSED_TOTAL = Counter(
     "fleet_heartbeats_refused_total",
-    "Heartbeats refused: no valid mac for their agent (missing_mac, bad_mac), or sent_at "
-    "ahead of the ingest clock or long before Redis took it",
+    "Heartbeats refused: no valid mac for their agent (missing_mac, bad_mac), sent_at "
+    "ahead of the ingest clock or long before Redis took it, or an endpoint the agent did "
+    "not register",
     ["reason"],
 )
 RESULTS_REFUSED_TOTAL = Counter(
@@ -57,6 +60,8 @@ RESULTS_REFUSED_TOTAL = Counter(
     "Command results refused: no valid mac for their agent (missing_mac, bad_mac)",
     ["reason"],
 )
+UNREGISTERED_ENDPOINT = "unregistered_endpoint"
+REFUSED_AUDIT_EVERY_S = 60.0
 HEARTBEAT_LAG = Gauge(
     "fleet_heartbeat_lag_seconds", "Age of the newest heartbeat in the last batch applied"
 )
@@ -113,7 +118,21 @@ class AgentMacCheck:
 
 
 class HeartbeatHandler:
-    def __init__(self, live: LiveFleet) -> None:
+    """Applies heartbeats in batches (heartbeats_apply).
+
+    A heartbeat naming an endpoint its agent did not register is refused: counted in
+    `fleet_heartbeats_refused_total{reason="unregistered_endpoint"}`, logged, and audited
+    (`agent.heartbeat_refused`) at most once per agent per `audit_every_s` for this
+    process, one event counting every refusal of that agent since its last.
+    """
+
+    def __init__(
+        self,
+        live: LiveFleet,
+        *,
+        audit_every_s: float = REFUSED_AUDIT_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.live = live
         self.check_mac = AgentMacCheck(
             HEARTBEATS_STREAM,
@@ -123,6 +142,10 @@ class HeartbeatHandler:
                 detail="heartbeats without a valid mac of this agent were dropped",
             ),
         )
+        self._audit_every_s = audit_every_s
+        self._clock = clock
+        self._last_audit_at: dict[str, float] = {}  # agent -> when its refusals were audited
+        self._unaudited: dict[str, dict[str, int]] = {}  # agent -> endpoint -> heartbeats
 
     def parse(self, entry_id: str, fields: Mapping[str, str]) -> ReceivedHeartbeat:
         try:
@@ -139,8 +162,19 @@ class HeartbeatHandler:
         newest = max(item.received_at for item in items)
         self.live.lag_s = max(0.0, time.time() - newest.timestamp())
         HEARTBEAT_LAG.set(self.live.lag_s)
+        if outcome.unregistered_endpoints:
+            HEARTBEATS_REFUSED_TOTAL.labels(UNREGISTERED_ENDPOINT).inc(outcome.refused)
+            logger.warning(
+                "heartbeats naming unregistered endpoints refused: %s",
+                ", ".join(sorted(outcome.unregistered_endpoints)[:10]),
+            )
+            for agent, named in outcome.unregistered_endpoints.items():
+                pending = self._unaudited.setdefault(agent, {})
+                for endpoint, count in named.items():
+                    pending[endpoint] = pending.get(endpoint, 0) + count
+        self._audit_refused()
         if outcome.unknown_agents:
-            UNKNOWN_AGENT_TOTAL.inc(len(items) - outcome.applied)
+            UNKNOWN_AGENT_TOTAL.inc(len(items) - outcome.applied - outcome.refused)
             logger.warning(
                 "heartbeats from unregistered agents dropped: %s",
                 ", ".join(sorted(outcome.unknown_agents)[:10]),
@@ -157,6 +191,33 @@ class HeartbeatHandler:
                 },
             )
         self.live.heartbeats.update(outcome.latest)
+
+    def _audit_refused(self) -> None:
+        now = self._clock()
+        for agent in sorted(self._unaudited):
+            last = self._last_audit_at.get(agent)
+            if last is not None and now - last < self._audit_every_s:
+                continue
+            named = dict(sorted(self._unaudited[agent].items())[:10])
+            try:
+                audit_event_record(
+                    actor=None,
+                    action="agent.heartbeat_refused",
+                    object_type="agent",
+                    object_id=agent,
+                    object_repr=agent,
+                    after={
+                        "refused": sum(self._unaudited[agent].values()),
+                        "reason": UNREGISTERED_ENDPOINT,
+                        "endpoints": named,
+                    },
+                    reason="heartbeats named an endpoint the agent did not register",
+                )
+            except DatabaseError as exc:  # kept for the next batch; the heartbeats are dropped
+                logger.warning("refused heartbeats not audited", extra={"error": str(exc)})
+                return
+            self._last_audit_at[agent] = now
+            del self._unaudited[agent]
 
 
 def _check_sent_at(heartbeat: Heartbeat, received_at: datetime) -> None:

@@ -139,14 +139,21 @@ class EngineServer:
         return self.log_path.read_text(errors="replace")
 
 
-def start_server(args: list[str], log_path: Path, timeout: float = 180) -> EngineServer:
+def start_server(
+    args: list[str], log_path: Path, timeout: float = 180, **environment: str
+) -> EngineServer:
     port = free_port()
     log = open(log_path, "wb")  # noqa: SIM115 - lives as long as the process
     engine_secrets = new_secrets()
     process = subprocess.Popen(
         [sys.executable, "-m", "engine", "serve", "--port", str(port), "--threads", "1", *args],
         cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **engine_secrets.environment()},
+        env={
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            **engine_secrets.environment(),
+            **environment,
+        },
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

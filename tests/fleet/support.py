@@ -1,9 +1,14 @@
 """Helpers for fleet tests: heartbeats as agents write them, registered agents, signed versions."""
 
+import json
+import threading
 import time
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
+from contracts.engine_identity import identity_proof
 from contracts.streams import (
     HEARTBEATS_STREAM,
     RESULTS_STREAM,
@@ -14,7 +19,7 @@ from contracts.streams import (
     agent_fields_sign,
 )
 from controlplane.fleet import enrolment, services
-from controlplane.fleet.models import Agent
+from controlplane.fleet.models import Agent, AgentCommand
 from controlplane.fleet.stream_keys import agent_stream_key
 
 
@@ -94,8 +99,93 @@ def register(name: str = "agent-1", *, host: str = "host-a") -> Agent:
         name=name,
         host=host,
         endpoint="",
+        advertise_host="127.0.0.1",
         ports=[9100, 9101],
         inventory={"kind": "cpu", "accelerator": "Test CPU", "cpu_cores": 2},
         energy_source="estimate",
     )
     return agent
+
+
+def mark_endpoint_verified(agent: Agent, command: AgentCommand) -> None:
+    """Record what the reconciler records once the engine at the agent's endpoint proved
+    it holds this load's admin secret (GET /identity): for agents without an engine."""
+    services.agent_endpoint_mark_verified(
+        agent_id=agent.pk, command_id=command.command_id, endpoint=agent.endpoint
+    )
+
+
+class StubEngine:
+    """A tiny real HTTP server on 127.0.0.1 standing where an engine would.
+
+    GET /identity answers as `agent`, with the proof `admin_secret` makes; without the
+    secret (a capture server) it answers a made-up proof. POST /v1/chat/completions answers
+    in the OpenAI API's shape with fake usage. Every request's path is kept in `requests`.
+    """
+
+    def __init__(self, *, agent: str, admin_secret: str | None = None, port: int = 0) -> None:
+        self.agent = agent
+        self.admin_secret = admin_secret
+        self.requests: list[str] = []
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def answer(self, status: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                url = urlsplit(self.path)
+                stub.requests.append(url.path)
+                if url.path != "/identity":
+                    self.answer(404, {"error": {"code": "not_found"}})
+                    return
+                nonce = parse_qs(url.query).get("nonce", [""])[0]
+                secret = stub.admin_secret
+                proof = (
+                    "0" * 64
+                    if secret is None
+                    else identity_proof(admin_secret=secret, agent=stub.agent, nonce=nonce)
+                )
+                self.answer(200, {"agent": stub.agent, "proof": proof})
+
+            def do_POST(self) -> None:
+                stub.requests.append(urlsplit(self.path).path)
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                self.answer(
+                    200,
+                    {
+                        "id": "chatcmpl-capture",
+                        "object": "chat.completion",
+                        "created": int(time.time()),
+                        "model": "smollm2",
+                        "choices": [
+                            {
+                                "index": 0,
+                                "message": {"role": "assistant", "content": "captured"},
+                                "finish_reason": "stop",
+                            }
+                        ],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                    },
+                )
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.port = self._server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "StubEngine":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()

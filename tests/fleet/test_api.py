@@ -1,6 +1,7 @@
 """The fleet API over HTTP: reading agents, sending audited commands, agent registration."""
 
 import pytest
+from rest_framework.test import APIClient
 
 from contracts.streams import (
     AgentState,
@@ -13,7 +14,7 @@ from controlplane.audit.models import AuditEvent
 from controlplane.fleet.models import Agent, AgentCommand
 from controlplane.registry import services as registry_services
 from tests.api.support import assert_error, audit_count
-from tests.fleet.support import heartbeat
+from tests.fleet.support import enrol, heartbeat
 
 pytestmark = pytest.mark.django_db
 
@@ -21,6 +22,7 @@ REGISTRATION = {
     "name": "gpu-7",
     "host": "node-3",
     "endpoint": "",
+    "advertise_host": "node-3.example",
     "ports": [9100, 9101],
     "inventory": {"kind": "gpu", "accelerator": "NVIDIA H100", "memory_bytes": 85899345920},
     "energy_source": "nvml",
@@ -209,6 +211,69 @@ def test_command_list_and_detail(client_for, agent, redis_client) -> None:
     assert detail.json()["status"] == "pending"
 
 
+def test_an_enrolled_agent_registers_its_endpoints_with_its_own_token(redis_client) -> None:
+    token = enrol("gpu-7")["api_token"]
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
+    created = client.post("/api/v1/fleet/agents/register/", REGISTRATION, format="json")
+    assert created.status_code == 201, created.content
+    assert created.json()["accelerator"] == "NVIDIA H100"
+    assert created.json()["state"] == "idle"
+    assert created.json()["endpoints"] == [
+        "http://node-3.example:9100",
+        "http://node-3.example:9101",
+    ]
+    again = client.post("/api/v1/fleet/agents/register/", REGISTRATION, format="json")
+    assert again.status_code == 200
+    assert AuditEvent.objects.filter(action="agent.register").count() == 1
+    moved = client.post(
+        "/api/v1/fleet/agents/register/", {**REGISTRATION, "host": "node-4"}, format="json"
+    )
+    assert moved.status_code == 200
+    assert AuditEvent.objects.filter(action="agent.register").count() == 2
+    # New endpoints are a move too: audited, with the endpoints before and after.
+    readvertised = client.post(
+        "/api/v1/fleet/agents/register/",
+        {**REGISTRATION, "host": "node-4", "advertise_host": "10.0.0.7", "ports": [9200, 9201]},
+        format="json",
+    )
+    assert readvertised.status_code == 200
+    event = AuditEvent.objects.filter(action="agent.register").order_by("id").last()
+    assert event is not None
+    assert (event.before["endpoints"], event.after["endpoints"]) == (
+        ["http://node-3.example:9100", "http://node-3.example:9101"],
+        ["http://10.0.0.7:9200", "http://10.0.0.7:9201"],
+    )
+    assert Agent.objects.get(name="gpu-7").endpoints == [
+        "http://10.0.0.7:9200",
+        "http://10.0.0.7:9201",
+    ]
+
+
+def test_an_ipv6_advertise_host_is_bracketed_in_the_endpoints(redis_client) -> None:
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {enrol('gpu-7')['api_token']}")
+    response = client.post(
+        "/api/v1/fleet/agents/register/",
+        {**REGISTRATION, "advertise_host": "fd00::7", "endpoint": "http://[fd00::7]:9101"},
+        format="json",
+    )
+    assert response.status_code == 201, response.content
+    assert response.json()["endpoints"] == ["http://[fd00::7]:9100", "http://[fd00::7]:9101"]
+    assert response.json()["endpoint"] == "http://[fd00::7]:9101"
+
+
+def test_registration_brings_a_lost_agent_back(agent) -> None:
+    Agent.objects.filter(pk=agent.pk).update(state="lost")
+    client = APIClient()
+    client.force_login(agent.account)
+    response = client.post(
+        "/api/v1/fleet/agents/register/", {**REGISTRATION, "name": "agent-1"}, format="json"
+    )
+    assert response.status_code == 200
+    assert response.json()["state"] == "idle"
+
+
 @pytest.mark.parametrize("principal", ["release_manager", "on_call", "viewer", "tenant_member"])
 def test_only_the_agent_role_registers_agents(client_for, principal) -> None:
     before = audit_count()
@@ -216,4 +281,44 @@ def test_only_the_agent_role_registers_agents(client_for, principal) -> None:
         "/api/v1/fleet/agents/register/", REGISTRATION, format="json"
     )
     assert_error(response, 403, "permission_denied")
+    assert (Agent.objects.count(), audit_count()) == (0, before)
+
+
+def test_registration_is_validated(client_for) -> None:
+    client = client_for("agent")
+    url = "/api/v1/fleet/agents/register/"
+    assert_error(
+        client.post(url, {**REGISTRATION, "name": "Bad Name"}, format="json"), 400, "invalid"
+    )
+    assert_error(
+        client.post(url, {**REGISTRATION, "energy_source": "guess"}, format="json"), 400, "invalid"
+    )
+    assert Agent.objects.count() == 0
+
+
+@pytest.mark.parametrize(
+    ("changes", "code", "field"),
+    [
+        ({"advertise_host": "bad host"}, "invalid", "advertise_host"),
+        ({"advertise_host": "evil.example/x"}, "invalid", "advertise_host"),
+        ({"advertise_host": "-lead.example"}, "invalid", "advertise_host"),
+        ({"advertise_host": ""}, "invalid", "advertise_host"),
+        ({"ports": [9100]}, "invalid", "ports"),
+        ({"ports": [9100, 9101, 9102]}, "invalid", "ports"),
+        ({"ports": [9100, 9100]}, "invalid", "ports"),
+        ({"ports": [0, 9101]}, "invalid", "ports"),
+        ({"ports": [9100, 65536]}, "invalid", "ports"),
+        ({"endpoint": "http://capture.example:9100"}, "unregistered_endpoint", "endpoint"),
+        ({"endpoint": "http://node-3.example:9102"}, "unregistered_endpoint", "endpoint"),
+    ],
+)
+def test_registration_refuses_endpoints_other_than_its_host_and_two_ports(
+    client_for, changes, code, field
+) -> None:
+    before = audit_count()
+    response = client_for("agent").post(
+        "/api/v1/fleet/agents/register/", {**REGISTRATION, **changes}, format="json"
+    )
+    assert_error(response, 400, code)
+    assert list(response.json()["error"]["fields"]) == [field]
     assert (Agent.objects.count(), audit_count()) == (0, before)

@@ -18,6 +18,7 @@ from controlplane.registry.models import ModelVersion, SigningKey
 from controlplane.rollouts import deployments, reconciler, transitions
 from controlplane.rollouts.models import Deployment, Rollout
 from tests.api.support import Signer
+from tests.fleet.support import mark_endpoint_verified
 from tests.rollouts.conftest import running_rollout
 
 
@@ -25,16 +26,19 @@ def agent(name: str, version, state: str = "ready", seen_ago_s: float = 1.0) -> 
     """An agent serving `version` since a load that succeeded an hour ago (its engine's
     secrets derive from that command)."""
     now = timezone.now()
+    endpoint = f"http://127.0.0.1:{9000 + Agent.objects.count()}"
     created = Agent.objects.create(
         name=name,
         host="localhost",
-        endpoint=f"http://127.0.0.1:{9000 + Agent.objects.count()}",
+        endpoint=endpoint,
+        endpoints=[endpoint],
         state=state,
         loaded_version=version,
         last_seen=now - timedelta(seconds=seen_ago_s),
         registered_at=now,
     )
-    load(created, version, finished_ago_s=3600)
+    mark_endpoint_verified(created, load(created, version, finished_ago_s=3600))
+    created.refresh_from_db()
     return created
 
 
@@ -222,6 +226,9 @@ def test_each_endpoint_carries_its_engines_serving_secret_and_never_the_admin_on
     # gpu-2 is ready but no load of its version is recorded: its engine's secret is unknown.
     unknown = agent("gpu-2", stable)
     AgentCommand.objects.filter(agent=unknown).delete()
+    # Both engines proved themselves for the loads that started them.
+    mark_endpoint_verified(gpu0, newer)
+    mark_endpoint_verified(gpu1, in_flight)
 
     reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
     raw = redis_client.get(routing_key("smollm2"))

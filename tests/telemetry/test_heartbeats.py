@@ -629,3 +629,84 @@ def test_registering_again_resets_the_order_of_heartbeats(redis_client, users) -
     drain(ingestor)
     agent = Agent.objects.get(name="agent-1")
     assert (agent.last_seq, agent.figures["running"]) == (1, 6)
+
+
+def refused_audits(agent: str = "agent-1") -> list[dict[str, Any]]:
+    events = AuditEvent.objects.filter(action="agent.heartbeat_refused", object_id=agent)
+    return [event.after for event in events.order_by("id")]
+
+
+def test_a_heartbeat_naming_an_unregistered_endpoint_changes_nothing_and_is_audited_once_a_minute(
+    users,
+) -> None:
+    agent = register()  # endpoints http://127.0.0.1:9100 and :9101
+    clock = [1000.0]
+    handler = HeartbeatHandler(LiveFleet(), clock=lambda: clock[0])
+    sent_at = time.time() - 10
+
+    def apply(seq: int, endpoint: str) -> None:
+        beat = heartbeat(seq=seq, sent_at=sent_at + seq, endpoint=endpoint)
+        handler.apply([handler.parse(entry_id_at(sent_at + seq), beat.to_fields())])
+
+    apply(1, "http://127.0.0.1:9100")
+    agent.refresh_from_db()
+    row_before = (agent.state, agent.endpoint, agent.last_seq, agent.last_sent_at, agent.figures)
+    samples_before = list(AgentSample.objects.values())
+    refused_before = metric("fleet_heartbeats_refused_total", reason="unregistered_endpoint")
+    unknown_before = metric("fleet_heartbeats_unknown_agent_total")
+
+    apply(2, "http://capture.example:9100")
+    apply(3, "http://127.0.0.1:9102")
+    agent.refresh_from_db()
+    assert (
+        agent.state, agent.endpoint, agent.last_seq, agent.last_sent_at, agent.figures
+    ) == row_before  # fmt: skip
+    assert list(AgentSample.objects.values()) == samples_before
+    assert metric("fleet_heartbeats_refused_total", reason="unregistered_endpoint") == (
+        refused_before + 2
+    )
+    assert metric("fleet_heartbeats_unknown_agent_total") == unknown_before
+    # The first refusal is audited at once; the second waits for the minute to end.
+    assert refused_audits() == [
+        {"refused": 1, "reason": "unregistered_endpoint",
+         "endpoints": {"http://capture.example:9100": 1}},
+    ]  # fmt: skip
+
+    clock[0] += 60
+    apply(4, "http://127.0.0.1:9101")  # the other registered port: applied
+    agent.refresh_from_db()
+    assert (agent.endpoint, agent.last_seq) == ("http://127.0.0.1:9101", 4)
+    assert refused_audits()[1:] == [
+        {"refused": 1, "reason": "unregistered_endpoint",
+         "endpoints": {"http://127.0.0.1:9102": 1}},
+    ]  # fmt: skip
+    apply(5, "")  # no engine: applied
+    agent.refresh_from_db()
+    assert (agent.endpoint, agent.last_seq) == ("", 5)
+    assert len(refused_audits()) == 2
+
+
+def test_endpoints_are_refused_until_the_agent_registers_them(redis_client, users) -> None:
+    register()
+    ingestor = make_ingestor(redis_client)
+    sent_at = time.time() - 5
+    moved = heartbeat(seq=1, sent_at=sent_at, endpoint="http://10.0.0.9:9100")
+    publish(redis_client, moved, entry_id_at(sent_at))
+    drain(ingestor)
+    assert Agent.objects.get(name="agent-1").last_seq == 0
+    services.agent_register(
+        actor=Agent.objects.get(name="agent-1").account,
+        name="agent-1",
+        host="host-a",
+        endpoint="",
+        advertise_host="10.0.0.9",
+        ports=[9100, 9101],
+        inventory={},
+        energy_source="estimate",
+    )
+    again = heartbeat(seq=2, sent_at=sent_at + 1, endpoint="http://10.0.0.9:9100")
+    publish(redis_client, again, entry_id_at(sent_at + 1))
+    drain(ingestor)
+    agent = Agent.objects.get(name="agent-1")
+    assert (agent.endpoint, agent.last_seq) == ("http://10.0.0.9:9100", 2)
+    assert pending(redis_client) == 0

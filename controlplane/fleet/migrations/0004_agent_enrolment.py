@@ -7,7 +7,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("fleet", "0002_heartbeat_hot_updates"),
+        ("fleet", "0003_agent_endpoints"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
