@@ -21,7 +21,8 @@ from django.conf import settings
 from django.utils import timezone
 
 from controlplane.core.errors import DomainError
-from controlplane.fleet.endpoint_checks import is_endpoint_verified
+from controlplane.core.redis_clients import redis_client
+from controlplane.fleet.endpoint_checks import endpoints_verify
 from controlplane.fleet.engine_secrets import serving_loads, serving_secrets
 from controlplane.fleet.models import Agent, AgentState
 from controlplane.registry import store
@@ -57,7 +58,8 @@ class EngineTarget:
 
 def _ready_engine(version_id: int) -> EngineTarget | None:
     """The first ready agent serving the version whose engine's serving secret is known and
-    whose endpoint the reconciler verified (the serving secret goes to no other)."""
+    whose endpoint proved itself (challenged here when the reconciler has not yet: a
+    candidate is evaluated before it is routed); the serving secret goes to no other."""
     fresh_after = timezone.now() - timedelta(seconds=settings.ROLLOUTS_AGENT_FRESH_S)
     agents = list(
         Agent.objects.filter(
@@ -68,8 +70,14 @@ def _ready_engine(version_id: int) -> EngineTarget | None:
     )
     loads = serving_loads(agents)
     secrets = serving_secrets(agents, loads)
-    for agent in agents:
-        if agent.pk in secrets and is_endpoint_verified(agent, loads[agent.pk]):
+    candidates = [agent for agent in agents if agent.pk in secrets]
+    client = redis_client()
+    try:
+        verified = endpoints_verify(agents=candidates, loads=loads, client=client)
+    finally:
+        client.close()
+    for agent in candidates:
+        if agent.pk in verified:
             return EngineTarget(endpoint=agent.endpoint, serving_secret=secrets[agent.pk])
     return None
 

@@ -28,6 +28,7 @@ REGISTRATION = {
     "name": "gpu-7",
     "host": "node-3",
     "endpoint": "",
+    "advertise_host": "node-3.example",
     "ports": [9100, 9101],
     "inventory": {"kind": "gpu", "accelerator": "NVIDIA H100", "memory_bytes": 85899345920},
     "energy_source": "nvml",

@@ -73,8 +73,9 @@ def test_entries_survive_a_redis_outage_through_the_spool(
     own_redis = start_redis(port, tmp_path)
     client = redis.Redis(port=port, decode_responses=True)
     spool_dir = tmp_path / "spool"
+    own_url = f"redis://127.0.0.1:{port}/0"
     gateway = start_gateway(
-        tmp_path, spool_dir, REDIS_URL=f"redis://127.0.0.1:{port}/0", LOG_LEVEL="INFO"
+        tmp_path, spool_dir, REDIS_URL=own_url, GATEWAY_REDIS_URL=own_url, LOG_LEVEL="INFO"
     )
     try:
         setup = make_setup()

@@ -221,7 +221,7 @@ def _version(model: Model, signer: Signer, label: str, dtype: str, **overrides: 
 def stack(committed_db, django_db_blocker, tmp_path_factory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("rollouts-e2e")
     store = tmp / "store"
-    client = redis.Redis.from_url(settings.REDIS_URL, decode_responses=True)
+    client = redis.Redis.from_url(settings.REDIS_ADMIN_URL, decode_responses=True)
     client.flushdb()
     processes = []
     threads: list[threading.Thread] = []
@@ -245,12 +245,13 @@ def stack(committed_db, django_db_blocker, tmp_path_factory) -> Iterator[Stack]:
                 "drill": _version(model, signer, "f32-drill", "float32", max_num_seqs=3),
             }
 
-            def start(name: str, args: list[str]) -> None:
+            def start(name: str, args: list[str], **role_env: str) -> None:
                 log = tmp / f"{name}.log"
                 logs.append(log)
-                processes.append(start_process(args, log, **env))
+                processes.append(start_process(args, log, **env, **role_env))
 
-            start("ingest", ingest_args())
+            # Ingest runs as its own Redis user, as in production.
+            start("ingest", ingest_args(), REDIS_URL=settings.INGEST_REDIS_URL)
             start("worker", [*CELERY, "worker", "--pool", "threads", "--concurrency", "4",
                              "--loglevel", "INFO", "--without-gossip", "--without-mingle",
                              "--without-heartbeat"])  # fmt: skip

@@ -646,7 +646,7 @@ def test_a_heartbeat_naming_an_unregistered_endpoint_changes_nothing_and_is_audi
 
     def apply(seq: int, endpoint: str) -> None:
         beat = heartbeat(seq=seq, sent_at=sent_at + seq, endpoint=endpoint)
-        handler.apply([handler.parse(entry_id_at(sent_at + seq), beat.to_fields())])
+        handler.apply([handler.parse(entry_id_at(sent_at + seq), signed_fields(beat))])
 
     apply(1, "http://127.0.0.1:9100")
     agent.refresh_from_db()
