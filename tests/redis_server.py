@@ -85,7 +85,12 @@ class AclRedis:
 def _start_session_server() -> AclRedis:
     server = AclRedis(Path(tempfile.mkdtemp(prefix="test-redis-")))
     server.start()
-    atexit.register(server.stop)
+
+    def stop_and_remove() -> None:
+        server.stop()
+        shutil.rmtree(server.directory, ignore_errors=True)
+
+    atexit.register(stop_and_remove)
     roles = (CONTROLPLANE_USER, INGEST_USER, GATEWAY_USER)
     passwords = {role: secrets.token_hex(24) for role in roles}
     os.environ.update(

@@ -63,3 +63,7 @@ class UsageFilterForm(forms.Form):
     GRANULARITIES = [("hour", "Hourly, last 2 days"), ("day", "Daily, last 30 days")]
 
     granularity = forms.ChoiceField(choices=GRANULARITIES, required=False)
+
+
+class AgentEnrolmentForm(forms.Form):
+    agent_name = forms.RegexField(r"^[a-z0-9][a-z0-9_.-]{0,62}$", max_length=63, strip=True)

@@ -25,6 +25,7 @@ urlpatterns = [
     path("registry/versions/<int:version_id>/", views.version_detail, name="version-detail"),
     path("registry/compare/", views.version_compare, name="version-compare"),
     path("fleet/", views.fleet, name="fleet"),
+    path("fleet/enrolments/", views.agent_enrolment_create, name="agent-enrolment-create"),
     path("fleet/<str:agent_name>/command/", views.agent_command, name="agent-command"),
     path("tenants/", tenant_views.tenant_list, name="tenant-list"),
     path("tenants/<int:tenant_id>/", tenant_views.tenant_detail, name="tenant-detail"),

@@ -33,6 +33,7 @@ from controlplane.core.errors import DomainError
 from controlplane.core.redis_clients import redis_client
 from controlplane.dashboard import forms, presenters
 from controlplane.dashboard.pages import domain_error_show, render_page, require
+from controlplane.fleet import enrolment
 from controlplane.fleet import selectors as fleet_selectors
 from controlplane.fleet import services as fleet_services
 from controlplane.fleet.models import AgentState
@@ -296,6 +297,12 @@ def version_compare(request: HttpRequest) -> HttpResponse:
 @login_required
 @require_GET
 def fleet(request: HttpRequest) -> HttpResponse:
+    return fleet_page(request)
+
+
+def fleet_page(
+    request: HttpRequest, *, created_enrolment: Any = None, status: int = 200
+) -> HttpResponse:
     require(access.can_view_fleet(request.user))
     now = timezone.now()
     rows = []
@@ -307,15 +314,18 @@ def fleet(request: HttpRequest) -> HttpResponse:
     context = {
         "rows": rows,
         "may_command": access.can_command_agents(request.user),
+        "may_enrol": access.can_enrol_agents(request.user),
         "loadable_versions": registry_selectors.version_list().filter(
             status__in=DEPLOYABLE_STATUSES
         ),
     }
+    context["created_enrolment"] = created_enrolment
     return render_page(
         request,
         "dashboard/fleet.html",
         context,
         fragments={"table": "dashboard/partials/fleet_table.html"},
+        status=status,
     )
 
 
@@ -343,6 +353,27 @@ def agent_command(request: HttpRequest, agent_name: str) -> HttpResponse:
     else:
         messages.success(request, f"Sent {command.kind} to {agent_name}.")
     return redirect("dashboard:fleet")
+
+
+@login_required
+@require_POST
+def agent_enrolment_create(request: HttpRequest) -> HttpResponse:
+    require(access.can_enrol_agents(request.user))
+    form = forms.AgentEnrolmentForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, presenters.form_errors(form))
+        return redirect("dashboard:fleet")
+    try:
+        created = enrolment.agent_enrolment_create(
+            actor=request.user, agent_name=form.cleaned_data["agent_name"]
+        )
+    except DomainError as error:
+        domain_error_show(request, error)
+        return redirect("dashboard:fleet")
+    # The raw token is in this response only: never stored, never in a cookie or the session.
+    response = fleet_page(request, created_enrolment=created, status=201)
+    response["Cache-Control"] = "no-store"
+    return response
 
 
 # Audit.

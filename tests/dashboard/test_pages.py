@@ -5,7 +5,7 @@ from django.test import Client
 
 from controlplane.audit.models import AuditEvent
 from controlplane.core.roles import Role
-from controlplane.fleet.models import AgentCommand
+from controlplane.fleet.models import AgentCommand, AgentEnrolment
 from controlplane.rollouts.models import Rollout, RolloutState
 from controlplane.tenants.models import ApiKey
 from tests.dashboard.conftest import STAFF_ROLES
@@ -286,3 +286,33 @@ def test_forms_refuse_a_missing_csrf_token(world, client_for, template, data) ->
     assert response.status_code == 403
     assert AuditEvent.objects.count() == events_before
     assert Rollout.objects.get(pk=world.rollout.pk).state == RolloutState.RUNNING
+
+
+def test_an_admin_enrols_an_agent_from_the_fleet_page_and_sees_the_token_once(
+    world, client_for
+) -> None:
+    client = client_for(Role.ADMIN)
+    assert 'id="enrol-agent"' in client.get("/fleet/").content.decode()
+    response = client.post("/fleet/enrolments/", {"agent_name": "gpu-9"})
+    assert response.status_code == 201
+    assert response["Cache-Control"] == "no-store"
+    raw = response.context["created_enrolment"].raw_token
+    stored = AgentEnrolment.objects.get(agent_name="gpu-9")
+    assert raw in response.content.decode() and raw not in stored.token_hash
+    assert raw not in client.get("/fleet/").content.decode()
+    assert AuditEvent.objects.filter(action="agent.enrolment.create", object_id="gpu-9").exists()
+
+
+@pytest.mark.parametrize("role", [Role.RELEASE_MANAGER, Role.ON_CALL, Role.VIEWER])
+def test_only_admins_enrol_agents_from_the_dashboard(world, client_for, role) -> None:
+    client = client_for(role)
+    assert 'id="enrol-agent"' not in client.get("/fleet/").content.decode()
+    response = client.post("/fleet/enrolments/", {"agent_name": "gpu-9"})
+    assert response.status_code == 403
+    assert not AgentEnrolment.objects.exists()
+
+
+def test_a_bad_agent_name_is_refused_with_a_message(world, client_for) -> None:
+    response = client_for(Role.ADMIN).post("/fleet/enrolments/", {"agent_name": "Bad Name"})
+    assert response.status_code == 302
+    assert not AgentEnrolment.objects.exists()
