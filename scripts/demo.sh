@@ -28,8 +28,8 @@ fi
 
 echo "demo: migrating ${DATABASE_URL:-the SQLite file in $DEMO_DIR}"
 .venv/bin/python manage.py migrate --noinput
-.venv/bin/python manage.py seed_demo
 .venv/bin/python manage.py redis_users
+.venv/bin/python manage.py seed_demo
 
 cat <<MSG
 

@@ -63,7 +63,28 @@ def test_named_volumes_are_declared(name: str) -> None:
 
 def test_redis_keeps_an_append_only_file() -> None:
     # Usage entries waiting on the streams must survive a Redis restart.
-    assert "--appendonly" in SERVICES["redis"]["command"]
+    assert "--appendonly yes" in " ".join(SERVICES["redis"]["command"])
+
+
+def test_redis_runs_with_acls_and_the_default_user_off() -> None:
+    command = " ".join(SERVICES["redis"]["command"])
+    assert "--aclfile /data/users.acl" in command
+    assert "user default off" in command
+
+
+@pytest.mark.parametrize("name", sorted(REQUIRED - {"postgres", "redis"}))
+def test_each_process_connects_to_redis_as_its_roles_user(name: str) -> None:
+    environment = SERVICES[name].get("environment", {})
+    expected_user = {"ingest": "ingest", "agent1": None, "agent2": None}.get(name, "controlplane")
+    if expected_user is None:  # agents: their own enrolled user, from their credentials
+        assert not any("REDIS" in key and "URL" in key for key in environment)
+        assert not {"SECRET_KEY", "DATABASE_URL"} & set(environment)
+        assert "AGENT_ENROLMENT_TOKEN" in environment
+        assert not any("token" in argument.lower() for argument in SERVICES[name]["command"])
+        return
+    assert environment["REDIS_URL"].startswith(f"redis://{expected_user}:")
+    # Only the web process (agent enrolment) and the migration (user setup) hold the admin.
+    assert ("REDIS_ADMIN_URL" in environment) == (name in {"web", "migrate"})
 
 
 def test_dockerfile_copies_every_package() -> None:
