@@ -2,7 +2,8 @@
 
     uvicorn controlplane.gateway.asgi:application --host 0.0.0.0 --port 8001
 
-Same code as the /v1/ mount inside `web`; everything outside /v1/ answers 404.
+Same code as the /v1/ mount inside `web`, plus /healthz, /readyz and /metrics
+(controlplane/gateway/probes.py); everything else outside /v1/ answers 404.
 """
 
 import os
@@ -14,5 +15,6 @@ import django
 django.setup()
 
 from controlplane.gateway.app import Gateway  # noqa: E402
+from controlplane.gateway.probes import with_probes  # noqa: E402
 
-application = Gateway()
+application = with_probes(Gateway())

@@ -22,6 +22,20 @@ from controlplane.fleet import enrolment, services
 from controlplane.fleet.models import Agent, AgentCommand
 from controlplane.fleet.stream_keys import agent_stream_key
 
+# What agent "gpu-7" sends to POST /api/v1/fleet/agents/register/.
+REGISTRATION = {
+    "name": "gpu-7",
+    "host": "node-3",
+    "endpoint": "",
+    "advertise_host": "node-3.example",
+    "ports": [9100, 9101],
+    "inventory": {"kind": "gpu", "accelerator": "NVIDIA H100", "memory_bytes": 85899345920},
+    "energy_source": "nvml",
+    "state": "idle",
+    "loaded_version_id": None,
+    "heartbeat_interval_s": 1.0,
+}
+
 
 def heartbeat(agent: str = "agent-1", seq: int = 1, **changes: Any) -> Heartbeat:
     base = Heartbeat(

@@ -14,22 +14,9 @@ from controlplane.audit.models import AuditEvent
 from controlplane.fleet.models import Agent, AgentCommand
 from controlplane.registry import services as registry_services
 from tests.api.support import assert_error, audit_count
-from tests.fleet.support import enrol, heartbeat
+from tests.fleet.support import REGISTRATION, enrol, heartbeat
 
 pytestmark = pytest.mark.django_db
-
-REGISTRATION = {
-    "name": "gpu-7",
-    "host": "node-3",
-    "endpoint": "",
-    "advertise_host": "node-3.example",
-    "ports": [9100, 9101],
-    "inventory": {"kind": "gpu", "accelerator": "NVIDIA H100", "memory_bytes": 85899345920},
-    "energy_source": "nvml",
-    "state": "idle",
-    "loaded_version_id": None,
-    "heartbeat_interval_s": 1.0,
-}
 
 
 def stream_entries(redis_client, name: str = "agent-1") -> list[dict]:

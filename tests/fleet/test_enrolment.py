@@ -21,18 +21,9 @@ from controlplane.fleet.command_signing import command_public_key_b64
 from controlplane.fleet.models import Agent, AgentEnrolment
 from controlplane.fleet.stream_keys import agent_stream_key
 from tests.api.support import assert_error, audit_count
+from tests.fleet.support import REGISTRATION
 
 pytestmark = pytest.mark.django_db
-
-REGISTRATION = {
-    "name": "gpu-7",
-    "host": "node-3",
-    "endpoint": "",
-    "advertise_host": "node-3.example",
-    "ports": [9100, 9101],
-    "inventory": {"kind": "gpu", "accelerator": "NVIDIA H100", "memory_bytes": 85899345920},
-    "energy_source": "nvml",
-}
 
 
 def enrolment_token(client_for, name: str = "gpu-7") -> str:
