@@ -26,7 +26,7 @@ ENV_EXAMPLE = REPO_ROOT / ".env.example"
 
 # What each service listens on inside its container (the image's or the command's default).
 CONTAINER_PORTS = {"redis": [6379], "postgres": [5432], "web": [8000], "gateway": [8001]}
-AGENT_ENGINE_PORT, AGENT_HTTP_PORT = 8101, 8100
+AGENT_ENGINE_PORT, AGENT_HTTP_PORT = 8100, 8102
 
 _VARIABLE = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P<rule>:[-?][^}]*)?\}")
 

@@ -113,9 +113,9 @@ def test_long_running_containers_have_probes_or_say_why_not(overlay: str) -> Non
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_web_and_agents_are_scraped_by_prometheus(overlay: str) -> None:
+def test_web_gateway_and_agents_are_scraped_by_prometheus(overlay: str) -> None:
     templates = workloads(overlay)
-    for component, port in [("web", "8000"), ("agent", "8102")]:
+    for component, port in [("web", "8000"), ("gateway", "8001"), ("agent", "8102")]:
         annotations = templates[component]["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
         assert annotations["prometheus.io/port"] == port
