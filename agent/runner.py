@@ -623,12 +623,13 @@ class Agent:
                 self.state = AgentState.READY if is_serving else AgentState.FAILED
                 self.detail = f"load of version {load.version_id} failed: {exc}"
             raise
+        # Before the heartbeat can see it: its warm-up is not traffic.
+        self.telemetry.begin_engine(str(engine.pid), engine.stats(), time.time())
         with self._lock:
             old, self.current, self.current_load = self.current, engine, load
             self.state, self.detail = AgentState.READY, ""
             if old is not None:
                 self.retiring.append(old)
-        self.telemetry.begin_engine(str(engine.pid), engine.stats(), time.time())
         if old is not None:
             old.drain(self.config.drain_timeout_s)
         return f"serving version {load.version_id} at {engine.endpoint}"
