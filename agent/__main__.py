@@ -68,7 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drain-timeout", type=float, default=60.0)
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)
     parser.add_argument("--energy-source", choices=ENERGY_SOURCE_CHOICES, default="auto")
-    parser.add_argument("--gpu-index", type=int, default=0)
+    parser.add_argument(
+        "--gpu-index",
+        type=int,
+        default=0,
+        help="the GPU this agent's engine runs on (CUDA_VISIBLE_DEVICES) and meters (NVML)",
+    )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="serve /healthz, /readyz and /metrics on this port (default: not served)",
+    )
+    parser.add_argument("--http-bind", help="address of that endpoint (default: --bind-host)")
     parser.add_argument("--rapl-root", default="/sys/class/powercap")
     parser.add_argument("--watts-per-core", type=float, default=10.0)
     parser.add_argument(
@@ -120,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             pinned_keys=pinned,
             stream_key=credentials.stream_key,
             command_public_key=credentials.command_public_key,
+            http_port=options.http_port,
+            http_bind_host=options.http_bind or options.bind_host,
         )
     except (ValueError, OSError, CredentialsError) as exc:
         print(f"agent: {exc}", file=sys.stderr)

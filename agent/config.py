@@ -33,7 +33,7 @@ class AgentConfig:
     drain_timeout_s: float = 60.0
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
     energy_source: str = "auto"
-    gpu_index: int = 0
+    gpu_index: int = 0  # the engine sees only this GPU (CUDA_VISIBLE_DEVICES), NVML meters it
     rapl_root: Path = Path("/sys/class/powercap")
     watts_per_core: float = 10.0
     # key_id -> base64 public key: a load must be signed by one of these.
@@ -41,6 +41,8 @@ class AgentConfig:
     stream_key: str = ""  # 64 hex: HMAC key of this agent's heartbeats and results
     command_public_key: str = ""  # base64 Ed25519: every command must verify against it
     http_timeout_s: float = 10.0
+    http_port: int | None = None  # /healthz, /readyz, /metrics; None: not served
+    http_bind_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         try:
@@ -74,6 +76,12 @@ class AgentConfig:
             raise ValueError(f"--energy-source must be one of {', '.join(ENERGY_SOURCE_CHOICES)}")
         if self.watts_per_core <= 0:
             raise ValueError("--watts-per-core must be positive")
+        if self.gpu_index < 0:
+            raise ValueError(f"--gpu-index must be 0 or more, got {self.gpu_index}")
+        if self.http_port is not None and not 1 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port must be within 1..65535, got {self.http_port}")
+        if self.http_port in (self.port, self.port + 1):
+            raise ValueError(f"--http-port {self.http_port} is one of the engine ports")
         if self.engine_ready_timeout_s <= 0 or self.drain_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
 

@@ -53,6 +53,12 @@ def serving_config_arguments(serving_config: Mapping[str, Any]) -> list[str]:
     return arguments
 
 
+def gpu_environment(gpu_index: int) -> dict[str, str]:
+    """The engine sees only its agent's GPU (as its cuda:0), counted in PCI bus order as
+    NVML counts, so that the GPU it runs on is the one the agent meters."""
+    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(gpu_index)}
+
+
 def _die_with_parent() -> None:
     """Runs in the child: SIGTERM it when the agent thread that started it dies (even by -9)."""
     try:
@@ -75,6 +81,7 @@ class EngineSpec:
     # Passed in the engine's environment, never its arguments (`ps` shows those).
     secrets: EngineSecrets | None = field(default=None, repr=False)
     agent_name: str = ""  # the engine answers it, with a proof, on GET /identity
+    gpu_index: int = 0
 
     def arguments(self) -> list[str]:
         return [
@@ -130,6 +137,7 @@ class EngineProcess:
                     **os.environ,
                     **self._secrets.environment(),
                     AGENT_NAME_VARIABLE: self.spec.agent_name,
+                    **gpu_environment(self.spec.gpu_index),
                 },
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -34,7 +34,9 @@ from agent.config import AgentConfig
 from agent.control_plane import ArtifactError, ControlPlaneClient, ControlPlaneError
 from agent.energy import EnergyMeter, choose_energy_meter
 from agent.engine_process import EngineProcess, EngineSpec, EngineStartError
+from agent.http_server import AgentHttpServer
 from agent.inventory import accelerator_inventory
+from agent.metrics import AgentMetrics
 from agent.redis_link import RedisLink, RedisUnavailable
 from agent.telemetry import TelemetryAccumulator
 from contracts.signing import SignatureError, verify_signature
@@ -127,6 +129,8 @@ class Agent:
         self.host = socket.gethostname()
         self.inventory = accelerator_inventory(config.gpu_index)
         self.telemetry = TelemetryAccumulator()
+        self.metrics = AgentMetrics(current_state=lambda: self.state)
+        self._threads: list[threading.Thread] = []
         self.energy: EnergyMeter = choose_energy_meter(
             preference=config.energy_source,
             gpu_index=config.gpu_index,
@@ -160,21 +164,59 @@ class Agent:
             self.energy.source.value,
             self.inventory.get("accelerator"),
         )
-        threads = [
+        self._threads = [
             threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True),
             threading.Thread(target=self._registration_loop, name="registration", daemon=True),
             threading.Thread(target=self._command_loop, name="commands", daemon=True),
         ]
-        for thread in threads:
+        for thread in self._threads:
             thread.start()
+        http_server = self._start_http_server()
         self.stop_event.wait()
-        for thread in threads:
+        for thread in self._threads:
             thread.join(timeout=self.config.drain_timeout_s + 15)
+        if http_server is not None:
+            http_server.stop()
         self.link.close()
         logger.info("agent %s stopped", self.config.name)
 
     def stop(self) -> None:
         self.stop_event.set()
+
+    # The HTTP endpoint for orchestrators.
+
+    def _start_http_server(self) -> AgentHttpServer | None:
+        if self.config.http_port is None:
+            return None
+        server = AgentHttpServer(
+            host=self.config.http_bind_host,
+            port=self.config.http_port,
+            is_alive=self.is_alive,
+            readiness=self.readiness,
+            registry=self.metrics.registry,
+        )
+        server.start()
+        logger.info(
+            "serving /healthz, /readyz and /metrics on %s:%d",
+            self.config.http_bind_host,
+            server.port,
+        )
+        return server
+
+    def is_alive(self) -> bool:
+        """Its threads run and it is not stopping."""
+        is_running = bool(self._threads) and all(t.is_alive() for t in self._threads)
+        return is_running and not self.stop_event.is_set()
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Ready: registered, and the current engine warm and serving (state ready)."""
+        with self._lock:
+            state, engine = self.state, self.current
+        is_registered = not self._needs_registration.is_set()
+        is_engine_ready = engine is not None and engine.is_running()
+        is_ready = is_registered and is_engine_ready and state is AgentState.READY
+        body = {"state": state.value, "is_registered": is_registered, "is_ready": is_ready}
+        return is_ready, body
 
     def _on_redis_reconnect(self) -> None:
         self._needs_registration.set()
@@ -289,6 +331,18 @@ class Agent:
         interval = max(now - last_time, 1e-6)
         energy = max(0.0, joules - last_joules)
         current_stats = stats.get(str(current.pid)) if current else None
+        running = sum(_int_stat(s, "running") for s in stats.values())
+        waiting = sum(_int_stat(s, "waiting") for s in stats.values())
+        kv_cache_usage = min(1.0, max(0.0, _float_stat(current_stats, "kv_cache_usage")))
+        self.metrics.observe_interval(
+            running=running,
+            waiting=waiting,
+            kv_cache_usage=kv_cache_usage,
+            prompt_tokens=figures.prompt_tokens,
+            generated_tokens=figures.generated_tokens,
+            joules=energy,
+            version_id=load.version_id if load else None,
+        )
         self._seq += 1
         return Heartbeat(
             agent=self.config.name,
@@ -300,9 +354,9 @@ class Agent:
             version_id=load.version_id if load else None,
             version_digest=load.digest if load else "",
             detail=detail[:1000],
-            running=sum(_int_stat(s, "running") for s in stats.values()),
-            waiting=sum(_int_stat(s, "waiting") for s in stats.values()),
-            kv_cache_usage=min(1.0, max(0.0, _float_stat(current_stats, "kv_cache_usage"))),
+            running=running,
+            waiting=waiting,
+            kv_cache_usage=kv_cache_usage,
             interval_s=interval,
             tokens_per_second=figures.generated_tokens / interval,
             prompt_tokens=figures.prompt_tokens,
@@ -569,12 +623,13 @@ class Agent:
                 self.state = AgentState.READY if is_serving else AgentState.FAILED
                 self.detail = f"load of version {load.version_id} failed: {exc}"
             raise
+        # Before the heartbeat can see it: its warm-up is not traffic.
+        self.telemetry.begin_engine(str(engine.pid), engine.stats(), time.time())
         with self._lock:
             old, self.current, self.current_load = self.current, engine, load
             self.state, self.detail = AgentState.READY, ""
             if old is not None:
                 self.retiring.append(old)
-        self.telemetry.begin_engine(str(engine.pid), engine.stats(), time.time())
         if old is not None:
             old.drain(self.config.drain_timeout_s)
         return f"serving version {load.version_id} at {engine.endpoint}"
@@ -589,6 +644,7 @@ class Agent:
 
     def _prepare_engine(self, load: LoadPayload) -> EngineProcess:
         """Verify the signature and the artifact, start the engine and wait until it is warm."""
+        started = time.monotonic()
         try:
             self._check_pinned(load)
         except CommandRefused as exc:
@@ -602,6 +658,8 @@ class Agent:
             )
         except SignatureError as exc:
             raise CommandFailed(f"signature refused: {exc}") from exc
+        self.metrics.observe_load_phase("verify", time.monotonic() - started)
+        started = time.monotonic()
         try:
             path = self.control_plane.fetch_artifact(
                 digest=load.digest,
@@ -610,6 +668,7 @@ class Agent:
             )
         except ArtifactError as exc:
             raise CommandFailed(str(exc)) from exc
+        self.metrics.observe_load_phase("fetch", time.monotonic() - started)
         with self._lock:
             in_use = {engine.port for engine in [self.current, *self.retiring] if engine}
             faults = self.faults
@@ -629,6 +688,7 @@ class Agent:
             fault_error_rate=faults.error_rate,
             secrets=EngineSecrets(serving=load.serving_secret, admin=load.admin_secret),
             agent_name=self.config.name,
+            gpu_index=self.config.gpu_index,
         )
         try:
             engine = EngineProcess(
@@ -641,12 +701,14 @@ class Agent:
             raise CommandFailed(str(exc)) from exc
         with self._lock:
             self.state = AgentState.WARMING
+        started = time.monotonic()
         engine.start()
         try:
             engine.wait_ready(self.config.engine_ready_timeout_s, self.stop_event.is_set)
         except EngineStartError as exc:
             engine.stop()
             raise CommandFailed(str(exc)) from exc
+        self.metrics.observe_load_phase("warm", time.monotonic() - started)
         return engine
 
     def drain(self, version_id: int | None = None) -> str:

@@ -32,6 +32,7 @@ class _EngineWatermark:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     finished_after: float = 0.0
+    is_observed: bool = False  # a heartbeat has seen its stats
 
 
 def _counter(stats: Mapping[str, Any], name: str) -> int:
@@ -72,6 +73,7 @@ class TelemetryAccumulator:
             if stats is None:
                 continue
             mark = self._engines.setdefault(key, _EngineWatermark())
+            mark.is_observed = True
             prompt_total = _counter(stats, "prompt_tokens_total")
             generated_total = _counter(stats, "generation_tokens_total")
             figures.prompt_tokens += _delta(prompt_total, mark.prompt_tokens_total)
@@ -106,9 +108,10 @@ class TelemetryAccumulator:
                 else:
                     figures.requests_failed += 1
             mark.finished_after = newest
-        # Engines that are gone keep no watermark.
-        for key in list(self._engines):
-            if key not in stats_by_engine:
+        # Engines that are gone keep no watermark; one begun but not yet in a heartbeat
+        # keeps its own, or its warm-up would be counted as traffic.
+        for key, mark in list(self._engines.items()):
+            if key not in stats_by_engine and mark.is_observed:
                 del self._engines[key]
         figures.ttft_p50_s = percentile(ttfts, 50)
         figures.ttft_p95_s = percentile(ttfts, 95)

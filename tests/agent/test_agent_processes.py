@@ -5,6 +5,7 @@ Each test starts its own processes; nothing here is mocked.
 """
 
 import importlib.util
+import json
 import os
 import secrets
 import shutil
@@ -22,6 +23,7 @@ import pytest
 import redis
 from django.conf import settings
 from django.test import override_settings
+from prometheus_client.parser import text_string_to_metric_families
 from rest_framework.test import APIClient
 
 from contracts.redis_roles import CONTROLPLANE_USER, INGEST_USER
@@ -39,6 +41,7 @@ from controlplane.fleet.redis_users import redis_acl_save, redis_role_user_apply
 from controlplane.registry import services as registry_services
 from controlplane.registry import store
 from controlplane.registry.models import Model, SigningKey
+from engine.config import AGENT_NAME_VARIABLE
 from tests.api.support import Signer, make_user
 from tests.conftest import PYTHON, start_process, stop_process, wait_until
 from tests.redis_server import AclRedis
@@ -477,3 +480,145 @@ def _pings(client: redis.Redis) -> bool:
         return bool(client.ping())
     except redis.RedisError:
         return False
+
+
+# An engine command that writes the environment it was started with to a file, then
+# becomes the real engine.
+RECORD_ENVIRONMENT = """
+import json, os, sys
+with open(sys.argv[1], "w") as record:
+    json.dump(dict(os.environ), record)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def scrape(base_url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """(sample name, labels) -> value, from the agent's /metrics."""
+    response = httpx.get(f"{base_url}/metrics", timeout=5)
+    assert response.status_code == 200, response.text
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def sample(samples: dict, name: str, **labels: str) -> float:
+    return samples[(name, frozenset(labels.items()))]
+
+
+def test_agents_run_engines_on_their_own_gpus_and_serve_health_readiness_and_metrics(
+    fleet, live_server, tmp_path
+) -> None:
+    stable = fleet.version("f32", MODEL_FILE)
+    script = tmp_path / "record_environment.py"
+    script.write_text(RECORD_ENVIRONMENT)
+    http_port = free_port()
+    base = f"http://127.0.0.1:{http_port}"
+    ingest_log = tmp_path / "ingest.log"
+    agents = {}
+    for gpu_index in (0, 1):
+        name = f"agent-g{gpu_index}"
+        port = free_port_pair()
+        engine_command = (
+            f"{PYTHON} {script} {tmp_path / name}.environment.json {PYTHON} -m engine serve"
+        )
+        args = [
+            *agent_args(name, port, settings.REDIS_URL, live_server.url, fleet),
+            "--gpu-index",
+            str(gpu_index),
+            "--engine-command",
+            engine_command,
+        ]
+        if gpu_index == 0:
+            args += ["--http-port", str(http_port)]
+        agents[name] = (args, port, tmp_path / f"{name}.log")
+    (g0_args, g0_port, g0_log), (g1_args, _, g1_log) = agents.values()
+    with (
+        running(ingest_args(), ingest_log),
+        running(g0_args, g0_log),
+        running(g1_args, g1_log),
+    ):
+        # Registered and idle: alive, not ready.
+        wait_until(
+            lambda: (
+                is_listening(http_port)
+                and httpx.get(f"{base}/readyz", timeout=5).json()["is_registered"]
+            ),
+            timeout=60,
+            message=logs(g0_log),
+        )
+        readiness = httpx.get(f"{base}/readyz", timeout=5)
+        assert readiness.status_code == 503
+        assert readiness.json() == {"state": "idle", "is_registered": True, "is_ready": False}
+        health = httpx.get(f"{base}/healthz", timeout=5)
+        assert (health.status_code, health.json()) == (200, {"status": "ok"})
+        before = scrape(base)
+        assert sample(before, "agent_state", state="idle") == 1.0
+        assert sample(before, "agent_state", state="ready") == 0.0
+        for phase in ("fetch", "verify", "warm"):
+            assert sample(before, "agent_load_phase_seconds_count", phase=phase) == 0.0
+        # Three read-only routes: anything else is refused, and changes nothing.
+        assert httpx.get(f"{base}/nowhere", timeout=5).status_code == 404
+        assert httpx.post(f"{base}/nowhere", timeout=5).status_code == 404
+        refused = httpx.post(f"{base}/readyz", timeout=5)
+        assert (refused.status_code, refused.headers["Allow"]) == (405, "GET")
+        assert httpx.delete(f"{base}/metrics", timeout=5).status_code == 405
+        assert httpx.get(f"{base}/readyz", timeout=5).json()["state"] == "idle"
+
+        loads = {name: fleet.command(name, kind="load", version_id=stable.pk) for name in agents}
+        for load in loads.values():
+            wait_until(
+                lambda load=load: is_final(load["command_id"]),
+                timeout=ENGINE_READY_S + 30,
+                message=logs(g0_log, g1_log),
+            )
+            assert command_row(load["command_id"]).status == "succeeded", logs(g0_log, g1_log)
+
+        # Each engine was started on its agent's GPU only, counted as NVML counts them.
+        for gpu_index, name in enumerate(agents):
+            environment = json.loads((tmp_path / f"{name}.environment.json").read_text())
+            assert environment["CUDA_VISIBLE_DEVICES"] == str(gpu_index)
+            assert environment["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+            assert environment[AGENT_NAME_VARIABLE] == name
+
+        readiness = httpx.get(f"{base}/readyz", timeout=5)
+        assert readiness.status_code == 200
+        assert readiness.json() == {"state": "ready", "is_registered": True, "is_ready": True}
+
+        # A few requests: the agent's totals are the engine's own, less its warm-up.
+        endpoint = f"http://127.0.0.1:{g0_port}"
+        admin = engine_headers("agent-g0", loads["agent-g0"]["command_id"], is_admin=True)
+        warm = httpx.get(f"{endpoint}/admin/stats", headers=admin, timeout=5).json()
+        serving = engine_headers("agent-g0", loads["agent-g0"]["command_id"])
+        for _ in range(3):
+            assert ask_paris(endpoint, serving) == "The capital of France is Paris."
+        stats = httpx.get(f"{endpoint}/admin/stats", headers=admin, timeout=5).json()
+        prompt = stats["prompt_tokens_total"] - warm["prompt_tokens_total"]
+        generated = stats["generation_tokens_total"] - warm["generation_tokens_total"]
+        assert generated >= 3 * 8
+        wait_until(
+            lambda: sample(scrape(base), "agent_generated_tokens_total") == generated,
+            timeout=10,
+            message=logs(g0_log),
+        )
+        after = scrape(base)
+        assert sample(after, "agent_prompt_tokens_total") == prompt
+        assert sample(after, "agent_generated_tokens_total") == generated
+        assert sample(after, "agent_state", state="ready") == 1.0
+        assert sample(after, "agent_state", state="idle") == 0.0
+        assert sample(after, "agent_engine_requests_running") == 0.0
+        assert sample(after, "agent_engine_requests_waiting") == 0.0
+        assert sample(after, "agent_engine_kv_cache_usage_ratio") == stats["kv_cache_usage"]
+        assert sample(after, "agent_energy_joules_total", version=str(stable.pk)) > 0
+        for phase in ("fetch", "verify", "warm"):
+            assert sample(after, "agent_load_phase_seconds_count", phase=phase) == 1.0
+        assert sample(after, "agent_load_phase_seconds_sum", phase="warm") > 0
+        health = httpx.get(f"{base}/healthz", timeout=5)
+        assert (health.status_code, health.json()) == (200, {"status": "ok"})

@@ -55,3 +55,13 @@ def test_a_restarted_engine_is_a_counter_reset_and_engines_add_up() -> None:
     telemetry.observe({"old": stats(500, 0, [])})
     figures = telemetry.observe({"old": stats(20, 0, []), "new": stats(7, 0, [])})
     assert figures.generated_tokens == 27
+
+
+def test_an_engine_begun_before_a_heartbeat_sees_it_keeps_its_warm_up_out() -> None:
+    telemetry = TelemetryAccumulator()
+    telemetry.begin_engine("new", stats(40, 90, []), now=1.0)
+    telemetry.observe({})  # a heartbeat that read the engines before "new" was current
+    figures = telemetry.observe({"new": stats(52, 95, [])})
+    assert (figures.generated_tokens, figures.prompt_tokens) == (12, 5)
+    telemetry.observe({})  # once seen, an engine that is gone keeps no watermark
+    assert telemetry.observe({"new": stats(3, 1, [])}).generated_tokens == 3
