@@ -51,9 +51,9 @@ def test_every_command_parses_with_its_programs_own_parser() -> None:
     compose = compose_local.load(compose_variables())
     checked = 0
     for service in compose["services"].values():
+        if "build" not in service:  # postgres and redis: their images' own programs
+            continue
         for args in compose_local.shell_steps(service.get("command", [])):
-            if not args or args[0] in {"sh", "exec"}:
-                continue
             parse(args)
             checked += 1
     assert checked >= len(PRODUCT) + 2  # migrate's two steps and the GPU agent too

@@ -213,9 +213,8 @@ def test_agent_arguments_parse_with_the_agents_own_parser(overlay: str) -> None:
     assert options.port == 8100
     assert options.state_dir == "/var/lib/fleet-agent"
     assert options.enrolment_token_file is None
-    if unknown == ["--http-port=8102"]:  # remove once the agent has --http-port
-        pytest.xfail("the agent's --http-port (its /healthz and /readyz) has not landed yet")
     assert unknown == []
+    assert options.http_port == 8102
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
