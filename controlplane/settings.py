@@ -63,6 +63,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "django_filters",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI and Redoc served from our static files, no CDN
     "channels",
     "controlplane.core",
     "controlplane.accounts",
@@ -86,6 +87,11 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
+
+if not DEBUG:
+    # Serves STATIC_ROOT before any other middleware runs; under DEBUG staticfiles' own view
+    # serves the source folders (dashboard/urls.py) and there is no STATIC_ROOT to read.
+    MIDDLEWARE.insert(1, "whitenoise.middleware.WhiteNoiseMiddleware")
 
 ROOT_URLCONF = "controlplane.urls"
 ASGI_APPLICATION = "controlplane.asgi.application"
@@ -183,6 +189,17 @@ USE_TZ = True
 STATIC_URL = "/static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = Path(os.environ.get("STATIC_ROOT", BASE_DIR / ".static-collected"))
+# Outside DEBUG files are served from STATIC_ROOT (`manage.py collectstatic`, run when the
+# image is built) under content-hashed names, cached for good, compressed copies alongside;
+# under DEBUG (the demo and the tests) straight from the source folders, no collectstatic.
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {
+        "BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"
+        if DEBUG
+        else "whitenoise.storage.CompressedManifestStaticFilesStorage"
+    },
+}
 
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
@@ -217,6 +234,10 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Model registry, tenants, fleet and rollouts.",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
+    # The drf-spectacular-sidecar package's copies, so /api/docs/ loads nothing from elsewhere.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 # Secure defaults; DEBUG (the local demo over plain HTTP) relaxes the transport ones.

@@ -67,7 +67,7 @@ def tokenizer_for(path: str) -> Any:
     """The engine's tokenizer built from a GGUF's metadata only (no weights are read)."""
     import gguf
 
-    from engine.tokenizer import TextTokenizer
+    from contracts.tokenizer import TextTokenizer
 
     reader = gguf.GGUFReader(path)
 
