@@ -211,7 +211,7 @@ def test_agent_arguments_parse_with_the_agents_own_parser(overlay: str) -> None:
     assert options.advertise_host == "$(POD_IP)"
     assert options.bind_host == "0.0.0.0"
     assert options.port == 8100
-    assert options.state_dir == "/var/lib/fleet-agent"
+    assert options.state_dir == "/var/lib/agent"
     assert options.enrolment_token_file is None
     assert unknown == []
     assert options.http_port == 8102
