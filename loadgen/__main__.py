@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.energy import ENERGY_METRIC_NAMES
+from loadgen.readiness import wait_until_served
 from loadgen.report import summary_table, sweep_table, write_run, write_sweep
 from loadgen.runner import LoadConfig, run_load, run_sweep
 from loadgen.stats import Slo
@@ -64,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--tenant-keys", type=Path, metavar="FILE", help='JSON file {"tenant": "key", ...}'
     )
     target.add_argument("--timeout", type=float, default=300.0, help="per-request seconds")
+    target.add_argument(
+        "--wait-ready",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="first wait up to this long until GET /models lists --model (0: do not wait)",
+    )
 
     workload = parser.add_argument_group("workload (choose one)")
     choice = workload.add_mutually_exclusive_group(required=True)
@@ -210,6 +218,15 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
 
 async def _main(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    if args.wait_ready > 0:
+        key = config.api_key or next(iter(config.tenant_keys.values()), None)
+        await asyncio.to_thread(
+            wait_until_served,
+            base_url=config.base_url,
+            model=config.model,
+            api_key=key,
+            timeout_s=args.wait_ready,
+        )
     plots = not args.no_plots
     if args.sweep_rates or args.sweep_concurrency:
         if args.forever:

@@ -26,7 +26,9 @@ class OpenAIServer:
         token_delay_s: float = 0.001,
         send_usage: bool = True,
         joules_per_token: float = 0.5,
+        models: list[str] | None = None,
     ) -> None:
+        self.models = models if models is not None else []  # what GET /v1/models lists
         self.keys = keys
         self.token_delay_s = token_delay_s
         self.send_usage = send_usage
@@ -44,6 +46,10 @@ class OpenAIServer:
                 elif message["type"] == "lifespan.shutdown":
                     await send({"type": "lifespan.shutdown.complete"})
                     return
+        if scope["path"].endswith("/models"):
+            listed = {"object": "list", "data": [{"id": name} for name in self.models]}
+            await self._respond(send, 200, json.dumps(listed).encode(), b"application/json")
+            return
         if scope["path"] == "/metrics":
             text = (
                 "# TYPE engine:energy_joules_total counter\n"

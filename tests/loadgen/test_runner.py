@@ -3,6 +3,8 @@
 import asyncio
 import csv
 import json
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -149,3 +151,29 @@ def test_a_sweep_reads_the_max_rate(tmp_path):
 def test_trace_request_validation_is_a_value_error():
     with pytest.raises(ValueError, match="max_tokens"):
         TraceRequest(offset_s=0, max_tokens=0, prompt="x")
+
+
+def test_wait_ready_holds_the_load_until_the_model_is_listed(tmp_path):
+    server = OpenAIServer()
+    with ServerThread(server) as running:
+        threading.Timer(1.5, lambda: server.models.append("m")).start()
+        started = time.monotonic()
+        code = main(
+            ["--base-url", running.base_url, "--model", "m", "--concurrency", "1",
+             "--num-requests", "2", "--max-tokens", "2", "--wait-ready", "30",
+             "--no-progress", "--no-plots"]
+        )  # fmt: skip
+        waited = time.monotonic() - started
+    assert code == 0
+    assert waited >= 1.5
+    assert sum(server.requests_by_key.values()) == 2  # none sent before the model was listed
+
+
+def test_wait_ready_gives_up_with_a_clear_message():
+    server = OpenAIServer()
+    with ServerThread(server) as running, pytest.raises(SystemExit, match="m not served at"):
+        main(
+            ["--base-url", running.base_url, "--model", "m", "--concurrency", "1",
+             "--num-requests", "1", "--wait-ready", "1", "--no-progress", "--no-plots"]
+        )  # fmt: skip
+    assert sum(server.requests_by_key.values()) == 0
