@@ -133,6 +133,7 @@ class LLMEngine:
                 f"max_model_len ({config.max_model_len}) exceeds the model's context "
                 f"length ({model_limit})"
             )
+        self.metrics.set_max_model_len(config.max_model_len)
         self.compute_dtype = compute_dtype_for(config.dtype, self.device)
         cache_dtype = torch.float32 if config.dtype == "float32" else torch.bfloat16
         if self.device.type == "cuda":

@@ -1,4 +1,8 @@
-"""Prometheus metrics named like vLLM's (prefix `engine:`) and the stats for /admin/stats."""
+"""Prometheus metrics under the engine's names (`engine:*`) and vLLM's, and /admin/stats.
+
+Each measurement is recorded once and lands in both series: `labels()` hands back the engine
+series together with its vLLM twin (engine/vllm_metrics.py defines the vLLM side).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ from collections import deque
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engine import vllm_metrics
 
 LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -19,20 +25,50 @@ REQUEST_BUCKETS = (
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
+class Series:
+    """One measurement recorded into the engine's series and its vLLM twin alike."""
+
+    def __init__(self, *children: Any):
+        self.children = children
+
+    def inc(self, amount: float = 1) -> None:
+        for child in self.children:
+            child.inc(amount)
+
+    def set(self, value: float) -> None:
+        for child in self.children:
+            child.set(value)
+
+    def observe(self, value: float) -> None:
+        for child in self.children:
+            child.observe(value)
+
+
 class EngineMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         self.model_name = model_name
+        self._twins: dict[Any, Any] = {}
+
+        def vllm(metric: vllm_metrics.VllmMetric, extra_labels: tuple[str, ...] = ()) -> Any:
+            return vllm_metrics.register(metric, self.registry, model_name, extra_labels)
+
+        def twinned(metric: Any, name: str) -> Any:
+            if name in vllm_metrics.TWINS:
+                self._twins[metric] = vllm(vllm_metrics.TWINS[name])
+            return metric
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+            return twinned(
+                Histogram(name, doc, labels, buckets=buckets, registry=self.registry), name
+            )
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=self.registry)
+            return twinned(Counter(name, doc, labels, registry=self.registry), name)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=self.registry)
+            return twinned(Gauge(name, doc, labels, registry=self.registry), name)
 
         self.ttft = histogram(
             "engine:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS
@@ -61,8 +97,14 @@ class EngineMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        self.vllm_success = vllm(vllm_metrics.REQUEST_SUCCESS, ("finished_reason",))
         for reason in FINISH_REASONS:
             self.success.labels(model_name, reason)
+            self.vllm_success.labels(model_name, vllm_metrics.ENGINE_INDEX, reason)
+        self.iteration_tokens = vllm(vllm_metrics.ITERATION_TOKENS)
+        # Their buckets follow max_model_len, known once the model is loaded.
+        self.request_prompt_tokens: Any = None
+        self.request_generation_tokens: Any = None
         for metric in (
             self.ttft, self.itl, self.e2e, self.queue_time, self.running, self.waiting,
             self.kv_usage, self.prompt_tokens, self.generation_tokens, self.prefix_queries,
@@ -77,10 +119,26 @@ class EngineMetrics:
         self.requests_finished_total = 0
         self.requests_failed_total = 0
 
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Exports the per-request token histograms, bucketed up to max_model_len as vLLM's."""
+        buckets = vllm_metrics.one_two_five_buckets(max_model_len)
+        self.request_prompt_tokens = vllm_metrics.register(
+            vllm_metrics.REQUEST_PROMPT_TOKENS, self.registry, self.model_name, buckets=buckets
+        )
+        self.request_generation_tokens = vllm_metrics.register(
+            vllm_metrics.REQUEST_GENERATION_TOKENS, self.registry, self.model_name,
+            buckets=buckets,
+        )  # fmt: skip
+
     def labels(self, metric: Any) -> Any:
-        return metric.labels(self.model_name)
+        """The engine's series of `metric` and, where vLLM has one, its vLLM twin."""
+        own = metric.labels(self.model_name)
+        twin = self._twins.get(metric)
+        return own if twin is None else Series(own, twin)
 
     def count_tokens(self, prompt: int, generated: int) -> None:
+        """The tokens of one engine step."""
+        self.iteration_tokens.observe(prompt + generated)
         with self._lock:
             self.prompt_tokens_total += prompt
             self.generation_tokens_total += generated
@@ -102,6 +160,10 @@ class EngineMetrics:
     ) -> None:
         """status: ok, error or aborted (the /admin/stats vocabulary)."""
         self.success.labels(self.model_name, reason).inc()
+        self.vllm_success.labels(self.model_name, vllm_metrics.ENGINE_INDEX, reason).inc()
+        if self.request_prompt_tokens is not None:
+            self.request_prompt_tokens.observe(prompt_tokens)
+            self.request_generation_tokens.observe(completion_tokens)
         self.labels(self.e2e).observe(e2e_s)
         if queue_s is not None:
             self.labels(self.queue_time).observe(queue_s)
