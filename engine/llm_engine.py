@@ -349,7 +349,7 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = now
             if seq.sink is not None:
-                self.metrics.labels(self.metrics.ttft).observe(now - seq.arrival_time)
+                self.metrics.record_first_token(now - seq.arrival_time, seq.num_prompt_tokens)
         elif seq.last_token_time is not None:
             gap = now - seq.last_token_time
             seq.inter_token_latencies.append(gap)

@@ -102,6 +102,7 @@ class EngineMetrics:
             self.success.labels(model_name, reason)
             self.vllm_success.labels(model_name, vllm_metrics.ENGINE_INDEX, reason)
         self.iteration_tokens = vllm(vllm_metrics.ITERATION_TOKENS)
+        self.vllm_prompt_tokens = vllm(vllm_metrics.PROMPT_TOKENS)
         # Their buckets follow max_model_len, known once the model is loaded.
         self.request_prompt_tokens: Any = None
         self.request_generation_tokens: Any = None
@@ -135,6 +136,11 @@ class EngineMetrics:
         own = metric.labels(self.model_name)
         twin = self._twins.get(metric)
         return own if twin is None else Series(own, twin)
+
+    def record_first_token(self, ttft_s: float, prompt_tokens: int) -> None:
+        """A request's prefill is done: its first token came after ttft_s."""
+        self.labels(self.ttft).observe(ttft_s)
+        self.vllm_prompt_tokens.inc(prompt_tokens)
 
     def count_tokens(self, prompt: int, generated: int) -> None:
         """The tokens of one engine step."""

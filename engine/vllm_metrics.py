@@ -64,9 +64,6 @@ TWINS: dict[str, VllmMetric] = {
     "engine:kv_cache_usage_perc": VllmMetric(
         "gauge", "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
     ),
-    "engine:prompt_tokens": VllmMetric(
-        "counter", "vllm:prompt_tokens", "Number of prefill tokens processed."
-    ),
     "engine:generation_tokens": VllmMetric(
         "counter", "vllm:generation_tokens", "Number of generation tokens processed."
     ),
@@ -112,6 +109,9 @@ REQUEST_SUCCESS = VllmMetric(
     "counter", "vllm:request_success", "Count of successfully processed requests."
 )
 # Measured only for vLLM's names: the engine has no `engine:*` series for them.
+# A request's whole prompt once its prefill is done, prefix cache hits included, as vLLM
+# counts it (engine:prompt_tokens counts the prompt tokens computed, so not those hits).
+PROMPT_TOKENS = VllmMetric("counter", "vllm:prompt_tokens", "Number of prefill tokens processed.")
 ITERATION_TOKENS = VllmMetric(
     "histogram", "vllm:iteration_tokens_total",
     "Histogram of number of tokens per engine_step.", ITERATION_TOKEN_BUCKETS,
