@@ -283,7 +283,14 @@ class Gateway:
         return grant
 
     async def _models(self, grant: KeyGrant, send) -> None:
-        names = sorted(name for name in grant.allowed_models if name in self.routing.by_model)
+        # Listed once servable: a version of its deployment has ready engines and weight for
+        # this tenant (a table published before any engine is ready lists nothing yet).
+        names = sorted(
+            name
+            for name in grant.allowed_models
+            if name in self.routing.by_model
+            and self.routing.is_servable(self.routing.by_model[name], grant.tenant_slug)
+        )
         body = json.dumps(
             {
                 "object": "list",

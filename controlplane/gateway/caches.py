@@ -145,6 +145,13 @@ class RoutingCache:
             by_model[model] = name
         self.by_model = by_model
 
+    def is_servable(self, deployment: str, tenant_slug: str | None) -> bool:
+        table = self.tables.get(deployment)
+        if table is None:
+            return False
+        weights = table.weights_for(tenant_slug)
+        return any(weights.get(v.version_id, 0) > 0 and v.endpoints for v in table.versions)
+
     @staticmethod
     def _parse(name: str, raw: bytes | str | None) -> RoutingTable | None:
         if raw is None:
