@@ -1,7 +1,8 @@
 """`manage.py ingest`: consume the telemetry streams into the database.
 
 Run as many as you like: they share the work through one Redis consumer group.
-SIGTERM and SIGINT stop it after the batch in hand.
+SIGTERM and SIGINT stop it after the batch in hand. With `--metrics-port` it serves its
+counters (entries, refusals, lost agents, lag) at `/metrics` for Prometheus.
 """
 
 import logging
@@ -12,6 +13,7 @@ import threading
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from prometheus_client import start_http_server
 
 from controlplane.core.redis_clients import stream_reader
 from controlplane.telemetry.ingest import ingest_ticker, stream_handlers
@@ -37,12 +39,24 @@ class Command(BaseCommand):
             help="entries per read (XREADGROUP COUNT); each batch is one transaction",
         )
         parser.add_argument("--claim-idle-ms", type=int, default=30_000)
+        parser.add_argument(
+            "--metrics-port", type=int, default=None, help="serve /metrics on this port"
+        )
+        parser.add_argument("--metrics-bind", default="127.0.0.1", help="address for /metrics")
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["batch_size"] < 1:
             raise CommandError("--batch-size must be at least 1")
         if options["claim_idle_ms"] < 100:
             raise CommandError("--claim-idle-ms must be at least 100")
+        port = options["metrics_port"]
+        if port is not None and not 1 <= port <= 65535:
+            raise CommandError("--metrics-port must be within 1..65535")
+        if port is not None:
+            try:
+                start_http_server(port, addr=options["metrics_bind"])
+            except OSError as exc:
+                raise CommandError(f"--metrics-port {port}: {exc}") from exc
         stop = threading.Event()
 
         def request_stop(signum: int, frame: Any) -> None:
