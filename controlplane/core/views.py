@@ -9,6 +9,7 @@ from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from controlplane.core.redis_clients import redis_client
+from controlplane.core.state_metrics import STATE_REGISTRY
 
 logger = logging.getLogger(__name__)
 
@@ -56,4 +57,6 @@ def readyz(request: HttpRequest) -> JsonResponse:
 
 @require_GET
 def metrics(request: HttpRequest) -> HttpResponse:
-    return HttpResponse(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)
+    """This process's counters, then the decisions read from the database."""
+    body = generate_latest(REGISTRY) + generate_latest(STATE_REGISTRY)
+    return HttpResponse(body, content_type=CONTENT_TYPE_LATEST)

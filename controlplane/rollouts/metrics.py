@@ -1,0 +1,71 @@
+"""The control plane's decisions as Prometheus series, counted from their rows at scrape
+time (controlplane/core/state_metrics.py): rollouts by state, rollbacks by trigger,
+analysis runs by verdict and action, agent commands by kind and status, and how far the
+reconciler is behind the desired routing. Counters stay monotonic: these rows are never
+deleted."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from django.db.models import Count, F, Min
+from django.utils import timezone
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from controlplane.audit.models import AuditEvent
+from controlplane.fleet.models import AgentCommand
+from controlplane.rollouts.models import AnalysisRun, Deployment, Rollout, RolloutState
+
+
+class DecisionsCollector:
+    def collect(self) -> Iterator[Metric]:
+        by_state = GaugeMetricFamily("rollouts", "Rollouts by state", labels=["state"])
+        counts = dict(Rollout.objects.values_list("state").annotate(n=Count("id")))
+        for state in RolloutState.values:
+            by_state.add_metric([state], counts.get(state, 0))
+        yield by_state
+
+        rollbacks = CounterMetricFamily(
+            "rollouts_rollbacks",
+            "Rollouts rolled back: automatic (the analysis, a hard breach, lost agents) or "
+            "manual (a person)",
+            labels=["trigger"],
+        )
+        events = AuditEvent.objects.filter(action="rollout.rollback")
+        manual = events.filter(actor__isnull=False).count()
+        rollbacks.add_metric(["automatic"], events.count() - manual)
+        rollbacks.add_metric(["manual"], manual)
+        yield rollbacks
+
+        verdicts = CounterMetricFamily(
+            "rollouts_analysis_runs", "Canary analysis runs", labels=["verdict", "action"]
+        )
+        for verdict, action, n in AnalysisRun.objects.values_list("verdict", "action").annotate(
+            n=Count("id")
+        ):
+            verdicts.add_metric([verdict, action], n)
+        yield verdicts
+
+        commands = CounterMetricFamily(
+            "fleet_commands", "Agent commands sent, by their last status", labels=["kind", "status"]
+        )
+        for kind, status, n in AgentCommand.objects.values_list("kind", "status").annotate(
+            n=Count("id")
+        ):
+            commands.add_metric([kind, status], n)
+        yield commands
+
+        behind = Deployment.objects.filter(applied_revision__lt=F("routing_revision"))
+        pending = GaugeMetricFamily(
+            "rollouts_reconcile_pending_deployments",
+            "Deployments whose desired routing the reconciler has not applied yet",
+        )
+        pending.add_metric([], behind.count())
+        yield pending
+        oldest = behind.aggregate(oldest=Min("updated_at"))["oldest"]
+        lag = GaugeMetricFamily(
+            "rollouts_reconcile_lag_seconds",
+            "How long the oldest unapplied routing change has waited (0 when none)",
+        )
+        lag.add_metric([], (timezone.now() - oldest).total_seconds() if oldest else 0.0)
+        yield lag
