@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
+from agent.control_plane import ControlPlaneError, EnrolmentRefused, enrol
+
 logger = logging.getLogger("agent")
 
 CREDENTIALS_FILE = "credentials.json"
@@ -115,8 +117,6 @@ def credentials_obtain(
 ) -> AgentCredentials:
     """This agent's credentials: the saved ones, unless an enrolment token they did not come
     from is given (a first enrolment, or a rotation), which is traded for new ones."""
-    from agent.control_plane import ControlPlaneError, EnrolmentRefused, enrol
-
     saved = credentials_load(state_dir)
     if saved is not None and saved.agent != agent_name:
         raise CredentialsError(

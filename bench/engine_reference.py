@@ -20,11 +20,15 @@ from bench.engine_workload import (
 
 
 def reference_model(model: str, dtype: torch.dtype) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from engine.loader import load_checkpoint, resolve_model_path
 
-    checkpoint = load_checkpoint(resolve_model_path(model))
+    return reference_from_checkpoint(load_checkpoint(resolve_model_path(model)), dtype, DEVICE)
+
+
+def reference_from_checkpoint(checkpoint: Any, dtype: torch.dtype, device: Any) -> Any:
+    """HF transformers' Llama on the weights our engine loaded (the tests compare to it)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     c = checkpoint.config
     reference = LlamaForCausalLM(
         LlamaConfig(
@@ -38,7 +42,7 @@ def reference_model(model: str, dtype: torch.dtype) -> Any:
     )  # fmt: skip
     reference.load_state_dict(checkpoint.weights, strict=False)
     reference.tie_weights()
-    return reference.to(device=DEVICE, dtype=dtype).eval()  # type: ignore[call-arg]
+    return reference.to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]
 
 
 @dataclass(slots=True)

@@ -52,24 +52,11 @@ def test_chat_answers_paris(smollm2_server):
 def test_greedy_matches_transformers_on_the_gguf_weights(smollm2_server):
     from concurrent.futures import ThreadPoolExecutor
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from bench.engine_reference import reference_from_checkpoint
 
     checkpoint = load_checkpoint(smollm2_path())
     tokenizer = TextTokenizer(checkpoint.tokenizer_source)
-    c = checkpoint.config
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
-            num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-            head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-            rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-            max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True,
-        )
-    )  # fmt: skip
-    model.load_state_dict(checkpoint.weights, strict=False)
-    model.tie_weights()
-    model.eval()
+    model = reference_from_checkpoint(checkpoint, torch.float32, "cpu")
 
     def serve(question: str) -> dict:
         return smollm2_server.http().post(
