@@ -6,6 +6,8 @@ Each service runs its own command with its own environment, interpolated as Comp
 host needs: service hostnames become 127.0.0.1, every container port becomes a free local
 port (in the service's own listening options and in every `service:port` reference), and
 every volume mount becomes a directory of its own under the test's temporary directory.
+Services of the `observability` profile (Prometheus and Grafana, third-party images that
+run nothing of ours) are left out.
 Compose's interpolation is written here because no maintained Python library does it.
 """
 
@@ -25,8 +27,17 @@ COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 ENV_EXAMPLE = REPO_ROOT / ".env.example"
 
 # What each service listens on inside its container (the image's or the command's default).
-CONTAINER_PORTS = {"redis": [6379], "postgres": [5432], "web": [8000], "gateway": [8001]}
+CONTAINER_PORTS = {
+    "redis": [6379],
+    "postgres": [5432],
+    "web": [8000],
+    "gateway": [8001],
+    "ingest": [8002],
+}
 AGENT_ENGINE_PORT, AGENT_HTTP_PORT = 8100, 8102
+THIRD_PARTY_PROFILES = {"observability"}
+LISTENING_PORT_OPTIONS = {"--port", "--http-port", "--metrics-port"}
+LISTENING_HOST_OPTIONS = {"--bind-host", "--metrics-bind"}
 
 _VARIABLE = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P<rule>:[-?][^}]*)?\}")
 
@@ -86,6 +97,10 @@ def is_agent(name: str, service: dict[str, Any]) -> bool:
     return service.get("command", [])[:3] == ["python", "-m", "agent"]
 
 
+def is_third_party(service: dict[str, Any]) -> bool:
+    return bool(THIRD_PARTY_PROFILES & set(service.get("profiles", [])))
+
+
 def local_services(
     compose: dict[str, Any],
     *,
@@ -93,8 +108,9 @@ def local_services(
     volume_root: Path,
     base_environment: dict[str, str],
 ) -> dict[str, LocalService]:
-    """Every service (profiles included) as a local process; `ports` maps each service's
-    container ports to free local ones."""
+    """Every service (the `gpu` profile's included, the third-party `observability`
+    profile's not) as a local process; `ports` maps each service's container ports to free
+    local ones."""
     host_ports = {
         f"{service}:{inside}": f"127.0.0.1:{outside}"
         for service, mapping in ports.items()
@@ -102,6 +118,8 @@ def local_services(
     }
     services = {}
     for name, service in compose["services"].items():
+        if is_third_party(service):
+            continue
         mounts = {}
         for volume in service.get("volumes", []):
             source, _, target = volume.partition(":")
@@ -117,7 +135,7 @@ def local_services(
 
         command = service.get("command", [])
         args = [local(argument) for argument in command]
-        args = _own_ports(args, ports.get(name, {}))
+        args = _listening_locally(_own_ports(args, ports.get(name, {})))
         if name == "redis":  # the image's default port: say it explicitly
             args[-1] = args[-1].replace(
                 "exec redis-server",
@@ -141,8 +159,17 @@ def _own_ports(args: list[str], own: dict[int, int]) -> list[str]:
     """The values of a service's own listening options, moved to its local ports."""
     moved = list(args)
     for index, argument in enumerate(args[:-1]):
-        if argument in {"--port", "--http-port"} and int(args[index + 1]) in own:
+        if argument in LISTENING_PORT_OPTIONS and int(args[index + 1]) in own:
             moved[index + 1] = str(own[int(args[index + 1])])
+    return moved
+
+
+def _listening_locally(args: list[str]) -> list[str]:
+    """Listening addresses (0.0.0.0 in a container) moved to the loopback."""
+    moved = list(args)
+    for index, argument in enumerate(args[:-1]):
+        if argument in LISTENING_HOST_OPTIONS:
+            moved[index + 1] = "127.0.0.1"
     return moved
 
 
@@ -150,8 +177,6 @@ def _advertised_locally(args: list[str]) -> list[str]:
     moved = list(args)
     for index, argument in enumerate(args[:-1]):
         if argument == "--advertise-host":
-            moved[index + 1] = "127.0.0.1"
-        if argument == "--bind-host":
             moved[index + 1] = "127.0.0.1"
     return moved
 
