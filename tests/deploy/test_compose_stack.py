@@ -18,8 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+import yaml
 from django.conf import settings
 from django.test import override_settings
+from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.fleet.models import Agent
 from controlplane.registry import services as registry_services
@@ -197,6 +199,7 @@ def stack(committed_db, django_db_blocker, tmp_path: Path) -> Iterator[dict]:
                 "key": key,
                 "tenant": tenant,
                 "tail": tail,
+                "ports": ports,
             }
     finally:
         for process in reversed(processes):
@@ -251,3 +254,26 @@ def test_the_compose_stack_serves_a_tenant_and_records_its_usage(stack, django_d
         )
     assert httpx.get(f"{stack['gateway']}/readyz", timeout=5).status_code == 200
     assert httpx.get(f"{stack['web']}/readyz", timeout=5).status_code == 200
+    # What Prometheus scrapes in compose (deploy/observability/prometheus.yml) answers.
+    scrape_targets(stack["ports"], stack["tail"])
+
+
+def scrape_targets(ports: dict[str, dict[int, int]], tail) -> None:
+    """Every static target of the compose scrape configuration whose service runs here (the
+    GPU agent's profile does not) serves Prometheus text on its metrics path."""
+    config = yaml.safe_load((REPO_ROOT / "deploy" / "observability" / "prometheus.yml").read_text())
+    scraped = set()
+    for job in config["scrape_configs"]:
+        path = job.get("metrics_path", "/metrics")
+        for static in job["static_configs"]:
+            for target in static["targets"]:
+                service, _, port = target.partition(":")
+                if service not in ports:
+                    continue
+                response = httpx.get(
+                    f"http://127.0.0.1:{ports[service][int(port)]}{path}", timeout=10
+                )
+                assert response.status_code == 200, (target, tail())
+                assert list(text_string_to_metric_families(response.text)), target
+                scraped.add(service)
+    assert scraped == {"web", "gateway", "ingest", "agent1", "agent2"}

@@ -4,6 +4,7 @@ the Kubernetes API schemas (kubernetes-validate), and the product's own invarian
 import functools
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -15,6 +16,7 @@ from tests.conftest import REPO_ROOT
 
 KUBECTL = shutil.which("kubectl")
 OVERLAY_ROOT = REPO_ROOT / "deploy" / "k8s" / "overlays"
+OBSERVABILITY = REPO_ROOT / "deploy" / "observability"
 pytestmark = pytest.mark.skipif(
     KUBECTL is None, reason="kubectl is not installed: the manifests can't be rendered"
 )
@@ -38,8 +40,12 @@ SECRET_ENVIRONMENT = {
 
 @functools.cache
 def rendered(overlay: str) -> list[dict[str, Any]]:
+    return kustomized(OVERLAY_ROOT / overlay)
+
+
+def kustomized(root: Path) -> list[dict[str, Any]]:
     output = subprocess.run(
-        [KUBECTL or "kubectl", "kustomize", str(OVERLAY_ROOT / overlay)],
+        [KUBECTL or "kubectl", "kustomize", str(root)],
         capture_output=True,
         text=True,
         check=True,
@@ -67,10 +73,11 @@ def of_kind(overlay: str, kind: str) -> dict[str, dict[str, Any]]:
     return {item["metadata"]["name"]: item for item in rendered(overlay) if item["kind"] == kind}
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "observability"])
 def test_every_object_is_valid_for_the_kubernetes_api(overlay: str) -> None:
     problems = []
-    for item in rendered(overlay):
+    items = kustomized(OBSERVABILITY) if overlay == "observability" else rendered(overlay)
+    for item in items:
         try:
             kubernetes_validate.validate(item, KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as error:
@@ -106,20 +113,88 @@ def test_long_running_containers_have_probes_or_say_why_not(overlay: str) -> Non
             assert "livenessProbe" in container
             assert "readinessProbe" in container
         else:
-            assert template["metadata"]["annotations"]["fleet/probes-omitted"]
-            assert "ports" not in container
+            annotations = template["metadata"]["annotations"]
+            assert annotations["fleet/probes-omitted"]
+            # Nothing sends it traffic: its one port, if any, is for Prometheus.
+            ports = container.get("ports", [])
+            assert [port["name"] for port in ports] in ([], ["metrics"])
+            if ports:
+                assert annotations["prometheus.io/port"] == str(ports[0]["containerPort"])
             probeless.add(component)
     assert probeless == PROBELESS
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_web_gateway_and_agents_are_scraped_by_prometheus(overlay: str) -> None:
+def test_web_gateway_ingest_and_agents_are_scraped_by_prometheus(overlay: str) -> None:
     templates = workloads(overlay)
-    for component, port in [("web", "8000"), ("gateway", "8001"), ("agent", "8102")]:
+    scraped = {
+        component
+        for component, template in templates.items()
+        if template["metadata"].get("annotations", {}).get("prometheus.io/scrape") == "true"
+    }
+    assert scraped == {"web", "gateway", "ingest", "agent"}
+    ports = {"web": "8000", "gateway": "8001", "ingest": "8002", "agent": "8102"}
+    for component, port in ports.items():
         annotations = templates[component]["metadata"]["annotations"]
-        assert annotations["prometheus.io/scrape"] == "true"
         assert annotations["prometheus.io/port"] == port
         assert annotations["prometheus.io/path"] == "/metrics"
+        # The scrape configuration keeps the container port named http or metrics: the
+        # annotated one, and only one per pod.
+        kept = [
+            container_port["containerPort"]
+            for container_port in only_container(templates[component]).get("ports", [])
+            if container_port["name"] in {"http", "metrics"}
+        ]
+        assert kept == [int(port)], component
+    command = only_container(templates["ingest"])["command"]
+    assert command[command.index("--metrics-port") + 1] == "8002"
+    assert command[command.index("--metrics-bind") + 1] == "0.0.0.0"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_prometheus_in_the_monitoring_namespace_may_find_and_reach_the_pods(overlay: str) -> None:
+    (role,) = of_kind(overlay, "Role").values()
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    (binding,) = of_kind(overlay, "RoleBinding").values()
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "prometheus", "namespace": "monitoring"}
+    ]
+    monitoring = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    }
+    policies = of_kind(overlay, "NetworkPolicy")
+    ingest_rules = policies["ingest-metrics-ingress"]["spec"]["ingress"]
+    assert ingest_rules == [{"from": [monitoring], "ports": [{"protocol": "TCP", "port": 8002}]}]
+    agent_rules = policies["agent-ingress"]["spec"]["ingress"]
+    assert any(
+        monitoring in rule["from"] and rule["ports"] == [{"protocol": "TCP", "port": 8102}]
+        for rule in agent_rules
+    )
+
+
+def test_the_prometheus_config_map_carries_the_configuration_and_every_rules_file() -> None:
+    config_maps = {
+        item["metadata"]["name"]: item
+        for item in kustomized(OBSERVABILITY)
+        if item["kind"] == "ConfigMap"
+    }
+    assert {item["metadata"]["namespace"] for item in config_maps.values()} == {"monitoring"}
+    assert config_maps["fleet-prometheus"]["data"] == {
+        "prometheus.yml": (OBSERVABILITY / "prometheus-kubernetes.yml").read_text()
+    }
+    rules = config_maps["fleet-prometheus-rules"]["data"]
+    assert rules == {
+        path.name: path.read_text() for path in (OBSERVABILITY / "rules").glob("*.yml")
+    }
+    # Prometheus looks for pods in the namespace the overlays put them in.
+    config = yaml.safe_load(config_maps["fleet-prometheus"]["data"]["prometheus.yml"])
+    (scrape,) = config["scrape_configs"]
+    assert scrape["kubernetes_sd_configs"][0]["namespaces"]["names"] == sorted(
+        {item["metadata"]["namespace"] for item in rendered("gpu")}
+    )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
