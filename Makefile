@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench services browser venv clean flake-hunt
+.PHONY: demo test lint bench services browser promtool venv clean flake-hunt
 
 venv: $(STAMP)
 
@@ -25,6 +25,10 @@ services:
 browser: venv
 	@scripts/ensure_browser.sh
 
+# Debian's promtool for the alert-rule and scrape-configuration checks (apt-get when missing).
+promtool:
+	@scripts/ensure_promtool.sh
+
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -32,7 +36,7 @@ lint: venv
 	DATABASE_URL=sqlite:///:memory: DJANGO_SETTINGS_MODULE=controlplane.settings_test \
 		$(BIN)/python manage.py makemigrations --check --dry-run
 
-test: venv services browser lint
+test: venv services browser promtool lint
 	$(BIN)/pytest
 
 demo: venv

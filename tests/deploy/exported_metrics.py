@@ -46,7 +46,7 @@ PROMETHEUS_SERIES = frozenset(
 def series_names(families: Iterable[Metric]) -> set[str]:
     """Every series name the families expose, with or without samples yet (a labelled
     metric nobody has counted has no sample, but its name is exported all the same)."""
-    names = set()
+    names: set[str] = set()
     for family in families:
         names.update(family.name + suffix for suffix in _SUFFIXES.get(family.type, ("",)))
         names.update(sample.name for sample in family.samples)
@@ -132,7 +132,7 @@ def promql_metric_names(expression: str) -> set[str]:
     text = _LABEL_MATCHERS.sub(" ", text)
     text = _RANGE.sub(" ", text)
     text = _LABEL_LIST.sub(" ", text)
-    names = set()
+    names: set[str] = set()
     for match in _IDENTIFIER.finditer(text):
         if re.match(r"\s*\(", text[match.end() :]):
             continue  # a function or an aggregation

@@ -123,7 +123,8 @@ def test_the_rules_unit_tests_pass() -> None:
 def test_every_alert_is_tested_firing_and_quiet() -> None:
     alerts = {rule["alert"] for _, rule in rules() if "alert" in rule}
     assert alerts >= REQUIRED_ALERTS
-    firing, quiet = set(), set()
+    firing: set[str] = set()
+    quiet: set[str] = set()
     for path in RULE_TESTS:
         for case in yaml.safe_load(path.read_text())["tests"]:
             for check in case.get("alert_rule_test", []):
