@@ -186,7 +186,8 @@
     forget(figure);
     figure.textContent = "";
     var caption = document.createElement("figcaption");
-    caption.textContent = spec.title + (spec.unit ? " (" + spec.unit + ")" : "");
+    var isUnitNamed = spec.unit && spec.unit !== spec.title.toLowerCase();  // not "Tokens (tokens)"
+    caption.textContent = spec.title + (isUnitNamed ? " (" + spec.unit + ")" : "");
     figure.appendChild(caption);
     var isBars = spec.kind === "bars";
     var step = spec.stepSeconds || 0;
