@@ -177,7 +177,7 @@
       ctx.stroke();
       ctx.font = (10 * ratio) + "px system-ui, sans-serif";
       ctx.textAlign = "right";
-      ctx.fillText(text, u.bbox.left + u.bbox.width - 4 * ratio, y - 4 * ratio);
+      ctx.fillText(text, u.bbox.left + u.bbox.width - 4 * ratio, y - 6 * ratio);
       ctx.restore();
     };
   }
