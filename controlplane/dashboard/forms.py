@@ -60,7 +60,11 @@ class AuditFilterForm(forms.Form):
 
 
 class UsageFilterForm(forms.Form):
-    GRANULARITIES = [("hour", "Hourly, last 2 days"), ("day", "Daily, last 30 days")]
+    GRANULARITIES = [
+        ("minute", "Per minute, last 2 hours"),
+        ("hour", "Hourly, last 2 days"),
+        ("day", "Daily, last 30 days"),
+    ]
 
     granularity = forms.ChoiceField(choices=GRANULARITIES, required=False)
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django import forms
 from django.db.models import QuerySet
 
 from controlplane.core import access
+from controlplane.rollouts.analysis import AnalysisPolicy
 from controlplane.rollouts.models import ACTIVE_STATES, AnalysisRun, Rollout, RolloutState, Stage
 
 # Rollouts.
@@ -110,21 +112,21 @@ def _scaled(figures: dict[str, Any], key: str, scale: float) -> float | None:
 
 
 def analysis_series(runs: Iterable[AnalysisRun], rollout: Rollout) -> dict[str, Any]:
-    """Chart data: one point per run (oldest first) for canary and baseline of each signal."""
+    """Chart data: one point per run (oldest first, at its window's end) for canary and
+    baseline of each signal, and the limits of the rollout's policy (defaults included)."""
     points = list(runs)
-    policy = rollout.policy or {}
+    policy = AnalysisPolicy.from_dict(rollout.policy)
     limits = {
-        "ttft_p95_ms": policy.get("ttft_p95_max_ms"),
-        "itl_p95_ms": policy.get("itl_p95_max_ms"),
-        "error_rate": (
-            policy["error_rate_max"] * 100.0 if policy.get("error_rate_max") is not None else None
-        ),
+        "ttft_p95_ms": policy.ttft_p95_max_ms,
+        "itl_p95_ms": policy.itl_p95_max_ms,
+        "error_rate": policy.error_rate_max * 100.0,
         "joules_per_token": None,
     }
     return {
         "rollout_id": rollout.pk,
         "state": rollout.state,
         "stage_index": rollout.stage_index,
+        "versions": {"baseline": rollout.baseline.label, "canary": rollout.candidate.label},
         "times": [run.window_end.isoformat() for run in points],
         "verdicts": [run.verdict for run in points],
         "signals": [
@@ -139,6 +141,16 @@ def analysis_series(runs: Iterable[AnalysisRun], rollout: Rollout) -> dict[str, 
             for key, title, unit, scale in SIGNALS
         ],
     }
+
+
+def version_roles(rollouts: Iterable[Rollout]) -> dict[int, str]:
+    """Version id -> "canary" or "baseline" for the rollouts given (those under way), so
+    that charts colour a version by its role; a candidate anywhere is a canary."""
+    roles: dict[int, str] = {}
+    for rollout in rollouts:
+        roles[rollout.candidate_id] = "canary"
+        roles.setdefault(rollout.baseline_id, "baseline")
+    return roles
 
 
 # Registry.
@@ -230,30 +242,57 @@ def usage_totals(rows: Iterable[dict[str, Any]]) -> dict[str, float]:
     return totals
 
 
-def usage_series(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per model and version, a value per bucket (oldest first) for each usage measure."""
-    buckets = sorted({row["bucket"] for row in rows})
+# Usage buckets: their length, and how far back the page looks.
+USAGE_BUCKETS: dict[str, tuple[timedelta, timedelta]] = {
+    "minute": (timedelta(minutes=1), timedelta(hours=2)),
+    "hour": (timedelta(hours=1), timedelta(days=2)),
+    "day": (timedelta(days=1), timedelta(days=30)),
+}
+USAGE_MEASURES = ("tokens", "requests", "errors", "energy_joules")
+
+
+def usage_buckets(*, granularity: str, until: datetime) -> list[datetime]:
+    """The start of every bucket of the page's span, oldest first, the current one last."""
+    step, span = USAGE_BUCKETS[granularity]
+    last = datetime.fromtimestamp(
+        until.timestamp() // step.total_seconds() * step.total_seconds(), UTC
+    )
+    count = int(span / step)
+    return [last - step * position for position in range(count, -1, -1)]
+
+
+def usage_series(
+    rows: list[dict[str, Any]],
+    *,
+    granularity: str,
+    buckets: list[datetime],
+    roles: dict[int, str],
+) -> dict[str, Any]:
+    """Per model and version, a value for every bucket given (0 where nothing was used),
+    oldest first, for each usage measure; with the version's role in a rollout."""
     index = {bucket: position for position, bucket in enumerate(buckets)}
-    series: dict[str, dict[str, list[float]]] = {}
+    series: dict[str, dict[str, Any]] = {}
     for row in rows:
+        position = index.get(row["bucket"])
+        if position is None:  # outside the buckets asked for
+            continue
         name = f"{row['model_name']}:{row['version_label']}"
-        measures = series.setdefault(
+        entry = series.setdefault(
             name,
             {
-                measure: [0.0] * len(buckets)
-                for measure in ("tokens", "requests", "errors", "energy_joules")
+                "role": roles.get(row["version_id"]),
+                **{measure: [0.0] * len(buckets) for measure in USAGE_MEASURES},
             },
         )
-        position = index[row["bucket"]]
-        measures["tokens"][position] += (row["prompt_tokens"] or 0) + (
-            row["completion_tokens"] or 0
-        )
-        measures["requests"][position] += row["requests"] or 0
-        measures["errors"][position] += row["errors"] or 0
-        measures["energy_joules"][position] += row["energy_joules"] or 0.0
+        entry["tokens"][position] += (row["prompt_tokens"] or 0) + (row["completion_tokens"] or 0)
+        entry["requests"][position] += row["requests"] or 0
+        entry["errors"][position] += row["errors"] or 0
+        entry["energy_joules"][position] += row["energy_joules"] or 0.0
     return {
+        "granularity": granularity,
+        "step_s": int(USAGE_BUCKETS[granularity][0].total_seconds()),
         "times": [bucket.isoformat() for bucket in buckets],
-        "series": [{"name": name, **measures} for name, measures in sorted(series.items())],
+        "series": [{"name": name, **entry} for name, entry in sorted(series.items())],
     }
 
 

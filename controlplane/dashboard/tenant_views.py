@@ -15,6 +15,8 @@ from controlplane.core import access
 from controlplane.core.errors import DomainError, NotFound
 from controlplane.dashboard import forms, presenters
 from controlplane.dashboard.pages import domain_error_show, render_page, require
+from controlplane.rollouts import selectors as rollout_selectors
+from controlplane.rollouts.models import ACTIVE_STATES
 from controlplane.telemetry.retention import retention_days_of
 from controlplane.tenants import selectors as tenant_selectors
 from controlplane.tenants import services as tenant_services
@@ -54,19 +56,24 @@ def _tenant_context(request: HttpRequest, tenant: Any) -> dict[str, Any]:
     granularity = "hour"
     if filters.is_valid() and filters.cleaned_data["granularity"]:
         granularity = filters.cleaned_data["granularity"]
-    span = timedelta(days=2) if granularity == "hour" else timedelta(days=30)
+    # Whole buckets only: the first starts at or before the span's start.
+    buckets = presenters.usage_buckets(granularity=granularity, until=timezone.now())
     usage = list(
-        tenant_selectors.usage_aggregate(
-            tenant=tenant, granularity=granularity, since=timezone.now() - span
-        )
+        tenant_selectors.usage_aggregate(tenant=tenant, granularity=granularity, since=buckets[0])
     )
+    active_rollouts = rollout_selectors.rollout_list().filter(state__in=ACTIVE_STATES)
     may_manage_keys = access.can_manage_api_keys(request.user, tenant)
     return {
         "tenant": tenant,
         "filters": filters,
         "granularity": granularity,
         "usage": usage,
-        "usage_series": presenters.usage_series(usage),
+        "usage_series": presenters.usage_series(
+            usage,
+            granularity=granularity,
+            buckets=buckets,
+            roles=presenters.version_roles(active_rollouts),
+        ),
         "totals": presenters.usage_totals(usage),
         "keys": tenant_selectors.api_key_list(tenant=tenant),
         "may_manage_keys": may_manage_keys,

@@ -313,6 +313,8 @@ def fleet_page(
         rows.append({"agent": agent, "figures": agent.figures or {}, "history": history})
     context = {
         "rows": rows,
+        "spark_window_s": SPARKLINE_WINDOW.total_seconds(),
+        "spark_minutes": round(SPARKLINE_WINDOW.total_seconds() / 60),
         "may_command": access.can_command_agents(request.user),
         "may_enrol": access.can_enrol_agents(request.user),
         "loadable_versions": registry_selectors.version_list().filter(

@@ -2,7 +2,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from django.db.models import F, QuerySet, Sum
-from django.db.models.functions import TruncDay, TruncHour
+from django.db.models.functions import TruncDay, TruncHour, TruncMinute
 from django.utils import timezone
 
 from controlplane.core import access
@@ -53,7 +53,7 @@ def api_key_list(*, tenant: Tenant) -> QuerySet[ApiKey]:
     return ApiKey.objects.filter(tenant=tenant).select_related("created_by")
 
 
-GRANULARITIES = {"hour": TruncHour, "day": TruncDay}
+GRANULARITIES = {"minute": TruncMinute, "hour": TruncHour, "day": TruncDay}
 
 
 def usage_aggregate(
@@ -65,7 +65,7 @@ def usage_aggregate(
     model_id: int | None = None,
     version_id: int | None = None,
 ) -> QuerySet:
-    """Usage summed per bucket (hour or day), model and version, newest bucket first."""
+    """Usage summed per bucket (minute, hour or day), model and version, newest bucket first."""
     records = UsageRecord.objects.filter(tenant=tenant)
     if since is not None:
         records = records.filter(minute__gte=since)

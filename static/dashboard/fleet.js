@@ -1,4 +1,5 @@
-/* The fleet page: heartbeat figures arrive about once a second as "fleet.figures". */
+/* The fleet page: heartbeat figures arrive about once a second as "fleet.figures"; the
+ * cells show the latest and each sparkline gains a point. */
 (function () {
   "use strict";
   var SPARK_FIGURES = {
@@ -16,6 +17,11 @@
     else cell.textContent = String(value);
   }
 
+  window.Charts.mountSparks(document);
+  document.addEventListener("live:fragment", function (event) {
+    window.Charts.mountSparks(event.detail.element);
+  });
+
   window.Live.on("fleet.figures", function (payload) {
     var agents = payload.agents || {};
     Object.keys(agents).forEach(function (name) {
@@ -25,10 +31,10 @@
       row.querySelectorAll("[data-figure]").forEach(function (cell) {
         show(cell, figures[cell.getAttribute("data-figure")]);
       });
-      row.querySelectorAll("svg[data-spark-key]").forEach(function (svg) {
-        var figure = SPARK_FIGURES[svg.getAttribute("data-spark-key")];
+      row.querySelectorAll("div.spark[data-spark-key]").forEach(function (spark) {
+        var figure = SPARK_FIGURES[spark.getAttribute("data-spark-key")];
         var value = figure && figures[figure];
-        if (typeof value === "number") window.Charts.sparkPush(svg, value, 60);
+        if (typeof value === "number") window.Charts.sparkPush(spark, value);
       });
       row.dataset.updatedAt = String(Date.now());
     });

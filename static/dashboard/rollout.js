@@ -1,4 +1,4 @@
-/* The rollout page: four canary-vs-baseline charts, redrawn when the rollout changes. */
+/* The rollout page: four canary-vs-baseline charts over time, redrawn when the rollout changes. */
 (function () {
   "use strict";
   var page = document.getElementById("rollout-page");
@@ -10,11 +10,12 @@
     data.signals.forEach(function (signal) {
       var figure = page.querySelector('figure[data-signal="' + signal.key + '"]');
       if (!figure) return;
-      window.Charts.lineChart(figure, {
-        title: signal.title, unit: signal.unit, times: data.times, limit: signal.limit,
+      window.Charts.timeChart(figure, {
+        title: signal.title, unit: signal.unit, kind: "line", times: data.times,
+        limit: signal.limit, syncKey: "rollout-" + rolloutId,
         series: [
-          { name: "baseline", values: signal.baseline, cls: "baseline" },
-          { name: "canary", values: signal.canary, cls: "canary" }
+          { label: "baseline " + data.versions.baseline, role: "baseline", values: signal.baseline },
+          { label: "canary " + data.versions.canary, role: "canary", values: signal.canary }
         ]
       });
     });

@@ -1,4 +1,5 @@
-/* A tenant's usage charts: one line per model and version for each measure. */
+/* A tenant's usage: stacked bars per bucket (minute, hour or day), one colour per model and
+ * version; the baseline and canary of a rollout under way keep their roles' colours. */
 (function () {
   "use strict";
   function draw() {
@@ -7,26 +8,16 @@
     var data = JSON.parse(source.textContent);
     document.querySelectorAll("#usage-charts figure[data-measure]").forEach(function (figure) {
       var measure = figure.getAttribute("data-measure");
-      window.Charts.lineChart(figure, {
-        title: figure.getAttribute("data-title"), unit: "", times: data.times, limit: null,
-        series: data.series.map(function (series, index) {
-          return { name: series.name, values: series[measure], cls: "series-" + (index % 6) };
+      var unit = figure.getAttribute("data-unit");
+      window.Charts.timeChart(figure, {
+        title: figure.getAttribute("data-title"), unit: unit, kind: "bars",
+        axisLabel: unit + " per " + data.granularity, times: data.times,
+        stepSeconds: data.step_s, limit: null, syncKey: "usage",
+        series: data.series.map(function (series) {
+          var label = series.name + (series.role ? " (" + series.role + ")" : "");
+          return { label: label, role: series.role, values: series[measure] };
         })
       });
-    });
-    var legend = document.getElementById("usage-legend");
-    if (!legend) {
-      legend = document.createElement("p");
-      legend.id = "usage-legend";
-      legend.className = "legend";
-      document.getElementById("usage-charts").after(legend);
-    }
-    legend.textContent = "";
-    data.series.forEach(function (series, index) {
-      var item = document.createElement("span");
-      item.innerHTML = '<span class="swatch series-' + (index % 6) + '"></span>';
-      item.appendChild(document.createTextNode(series.name + " "));
-      legend.appendChild(item);
     });
   }
   draw();

@@ -1,4 +1,4 @@
-"""Small formatting helpers and server-drawn SVG sparklines for the dashboard templates."""
+"""Small formatting helpers and the fleet sparklines' markup for the dashboard templates."""
 
 from __future__ import annotations
 
@@ -12,43 +12,36 @@ from django.utils.safestring import SafeString
 
 register = template.Library()
 
-SPARK_WIDTH = 120
 MISSING = "\u2013"  # an en dash for a missing figure
-SPARK_HEIGHT = 24
-
-
-def _points(values: list[float | None]) -> str:
-    present = [value for value in values if value is not None]
-    if not present:
-        return ""
-    low, high = min(present), max(present)
-    span = (high - low) or 1.0
-    step = SPARK_WIDTH / max(len(values) - 1, 1)
-    coordinates = []
-    for position, value in enumerate(values):
-        if value is None:
-            continue
-        x = position * step
-        y = SPARK_HEIGHT - 2 - (value - low) / span * (SPARK_HEIGHT - 4)
-        coordinates.append(f"{x:.1f},{y:.1f}")
-    return " ".join(coordinates)
+SPARK_UNITS = frozenset({"percent", "watts", "requests"})
 
 
 @register.simple_tag
-def sparkline(history: Iterable[dict[str, Any]], key: str, label: str = "") -> SafeString:
-    """An inline SVG line of one key over an agent's history; live.js appends to it."""
-    values = [bucket.get(key) for bucket in history]
-    data = json.dumps([value for value in values if value is not None][-60:])
+def sparkline(
+    history: Iterable[dict[str, Any]], key: str, label: str, unit: str, window_s: float
+) -> SafeString:
+    """A fleet sparkline of one key over an agent's history (charts.js draws it, with a time
+    axis over the last `window_s` seconds and a unit on its value axis; fleet.js appends
+    live figures)."""
+    if unit not in SPARK_UNITS:
+        raise template.TemplateSyntaxError(
+            f"sparkline unit {unit!r} is not one of {sorted(SPARK_UNITS)}"
+        )
+    points = [
+        [round(bucket["bucket_start"].timestamp(), 3), bucket[key]]
+        for bucket in history
+        if bucket.get(key) is not None
+    ]
     return format_html(
-        '<svg class="spark" viewBox="0 0 {w} {h}" width="{w}" height="{h}" role="img"'
-        ' aria-label="{label}" data-spark-key="{key}" data-values="{data}">'
-        '<polyline fill="none" points="{points}"/></svg>',
-        w=SPARK_WIDTH,
-        h=SPARK_HEIGHT,
-        label=label or key,
+        '<div class="spark" role="img" aria-label="{label}, last {minutes} min"'
+        ' data-spark-key="{key}" data-label="{label}" data-unit="{unit}"'
+        ' data-window-s="{window}" data-points="{points}"></div>',
+        label=label,
+        minutes=round(window_s / 60),
         key=key,
-        data=data,
-        points=_points([value for value in values if value is not None][-60:]),
+        unit=unit,
+        window=window_s,
+        points=json.dumps(points),
     )
 
 

@@ -134,6 +134,9 @@ def test_heartbeat_figures_arrive_live_on_the_fleet_page(open_page) -> None:
     page.wait_for_function(f"document.querySelector(\"{cell}\").textContent === '7'", timeout=3000)
     assert page.inner_text("tr[data-agent='agent-2'] [data-figure=kv_cache_usage]") == "90%"
     assert page.inner_text("tr[data-agent='agent-2'] [data-figure=power_watts]") == "301 W"
+    # Each sparkline gained the heartbeat as its newest point.
+    running = page.locator("tr[data-agent='agent-2'] div.spark[data-spark-key=running_max]")
+    assert running.evaluate("spark => Array.from(spark.uplot.data[1]).slice(-2)") == [4, 7]
     assert page.evaluate("window.__sameDocument") == "yes"
     screenshot(page, "fleet-live")
 
@@ -173,9 +176,10 @@ def test_tenant_member_sees_usage_and_not_another_tenant(open_page) -> None:
     page = open_page(world.users[Role.TENANT_MEMBER].username)
     assert page.url.endswith(f"/tenants/{world.acme.pk}/")
     assert page.inner_text("h1").startswith("Acme Corp")
-    page.wait_for_selector("#usage-charts figure[data-measure=tokens][data-points='12']")
-    lines = page.locator("#usage-charts figure[data-measure=tokens] polyline")
-    assert lines.count() == 2  # one per version: smollm2:f32 and smollm2:bf16
+    # Bars for every hour of the last 2 days; one series per version: smollm2:bf16, smollm2:f32.
+    page.wait_for_selector("#usage-charts figure[data-measure=tokens][data-points='49']")
+    legend = page.locator("#usage-charts figure[data-measure=tokens] .u-legend .u-label")
+    assert legend.all_inner_texts()[1:] == ["smollm2:bf16 (canary)", "smollm2:f32 (baseline)"]
     assert page.inner_text("[data-testid=total-requests]") != "0"
     screenshot(page, "tenant-usage")
 
