@@ -23,7 +23,7 @@ from controlplane.gateway.recorder import RedisBatcher, RequestsStreamFull, spoo
 from controlplane.gateway.spool import Spool
 from controlplane.telemetry.models import RequestSample
 from controlplane.telemetry.requests import RequestsStreamHandler
-from controlplane.telemetry.stream_trim import LOST_TOTAL, lost_entries_key, stream_loss_get
+from controlplane.telemetry.stream_trim import USAGE_GAPS_TOTAL, lost_entries_key, stream_loss_get
 from controlplane.telemetry.streams import StreamIngestor
 from controlplane.tenants.models import Tenant, UsageRecord
 from tests.gateway.conftest import Setup, make_setup, signed_entry
@@ -86,7 +86,11 @@ def stream_ids(client: redis.Redis) -> list[str]:
 
 
 def lost_total() -> float:
-    return LOST_TOTAL.labels(REQUESTS_STREAM)._value.get()
+    """Usage gaps of entries trimmed from the stream, read or not."""
+    return sum(
+        USAGE_GAPS_TOTAL.labels(reason)._value.get()
+        for reason in ("trimmed_unread", "trimmed_pending")
+    )
 
 
 async def gateway_writes(setup: Setup, records: list[RequestRecord], spool: Spool) -> None:
