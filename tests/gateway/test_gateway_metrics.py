@@ -119,3 +119,26 @@ def test_the_standalone_gateway_counts_refusals_latencies_and_upstream_errors(
         assert moved(after, final, "gateway_requests_total", status="503") == 1
     finally:
         stop_process(gateway.process)
+
+
+def test_the_gateway_inside_web_shares_webs_metrics(stores, engines, gateways) -> None:
+    setup = make_setup()
+    version = setup.versions[0]
+    route_wholly(version, engines[0], stores)
+    web = gateways[0]
+    wait_for_model(web, setup.raw_key, "smollm2")
+    routed = {"model": "smollm2", "version": str(version.pk)}
+    before = scrape(web.url)
+    list(
+        client_for(web, setup.raw_key).chat.completions.create(
+            model="smollm2",
+            messages=MESSAGES,
+            max_tokens=2,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    after = scrape(web.url)
+    assert moved(before, after, "gateway_time_to_first_token_seconds_count", **routed) == 1
+    # web's own decisions, from the database, on the same page
+    assert ("rollouts_reconcile_lag_seconds", frozenset()) in after
