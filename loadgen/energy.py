@@ -1,9 +1,9 @@
 """Energy counters scraped from Prometheus text, for joules per token.
 
-The names read, in this order (the first one a target exposes wins; samples of one name
-with different labels are summed, and several --metrics-url targets are summed): the
-agents' counter (an agent's `/metrics` on its `--http-port`, one series per version it
-spent energy on); `--energy-metric` names others.
+By default the agents' counter is read (an agent's `/metrics` on its `--http-port`, one
+series per version it spent energy on); `--energy-metric` names others, read in order
+(the first one a target exposes wins). Samples of one name with different labels are
+summed, and several --metrics-url targets are summed. The default:
 """
 
 from __future__ import annotations
