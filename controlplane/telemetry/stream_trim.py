@@ -17,7 +17,8 @@ entry read after a gap, so they would otherwise be counted again), in one script
 two ingesters count a gap once.
 Entries trimmed while pending (delivered, not yet applied: a failed batch, a dead
 consumer) come back without fields; they are recorded the same way and counted with
-`reason="trimmed_pending"`.
+`reason="trimmed_pending"`. Each trim also reports how many entries its group has yet to be
+given (`ingest_stream_lag_entries{stream}`, from XINFO GROUPS).
 """
 
 import logging
@@ -27,7 +28,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import redis
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from controlplane.core.redis_clients import reply_text
 
@@ -57,6 +58,11 @@ USAGE_GAP_REASONS = (
 )
 for _reason in USAGE_GAP_REASONS:
     USAGE_GAPS_TOTAL.labels(_reason)  # every series from the start, at zero
+STREAM_LAG = Gauge(
+    "ingest_stream_lag_entries",
+    "Entries in the stream not yet delivered to ingest's group (at the last trim)",
+    ["stream"],
+)
 
 # KEYS: the stream, its lost-entries hash; ARGV: the group, the time (unix seconds).
 # Returns how many entries left the stream unread since the last check, -1 when Redis
@@ -167,6 +173,8 @@ class StreamTrimmer:
         groups: Any = self.client.xinfo_groups(stream)
         for group in groups:
             name = reply_text(group["name"])
+            if name == self.group and group.get("lag") is not None:  # null: Redis cannot tell
+                STREAM_LAG.labels(stream).set(int(group["lag"]))
             # Entries up to the last-delivered id are acknowledged, except those pending.
             candidate = _next_id(_parse_id(reply_text(group["last-delivered-id"])))
             summary: Any = self.client.xpending(stream, name)
