@@ -6,8 +6,8 @@ import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.agent.test_agent_processes import scrape
 from tests.conftest import stop_process, wait_until
 from tests.gateway.conftest import (
     client_for,
@@ -22,16 +22,6 @@ pytestmark = pytest.mark.slow
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello."}]
 UNKNOWN = {"model": "unknown", "version": "unknown"}
-
-
-def scrape(url: str) -> dict[tuple[str, frozenset], float]:
-    response = httpx.get(f"{url}/metrics", timeout=5)
-    assert response.status_code == 200
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(response.text)
-        for sample in family.samples
-    }
 
 
 def moved(before: dict, after: dict, name: str, **labels: str) -> float:
