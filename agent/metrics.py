@@ -15,6 +15,9 @@ LOAD_PHASE_BUCKETS = (
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0,
 )  # fmt: skip
 NO_VERSION = "none"  # the `version` label of energy spent with nothing loaded
+# Why an engine failed: it exited while serving, said it failed (its step loop broke),
+# exited while starting, or was not ready within the agent's --engine-ready-timeout.
+ENGINE_FAILURE_REASONS = ("exited", "failed", "start_exited", "start_timeout")
 
 
 class _StateCollector(Collector):
@@ -76,6 +79,15 @@ class AgentMetrics:
         )
         for phase in LOAD_PHASES:
             self.load_phase.labels(phase)  # export every series from the start, at zero
+        self.engine_failures = Counter(
+            "agent_engine_failures",
+            "Engines that failed, by reason: exited or failed while serving, exited or timed"
+            " out while starting.",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in ENGINE_FAILURE_REASONS:
+            self.engine_failures.labels(reason)
 
     def observe_interval(
         self,
@@ -98,3 +110,8 @@ class AgentMetrics:
 
     def observe_load_phase(self, phase: str, seconds: float) -> None:
         self.load_phase.labels(phase).observe(seconds)
+
+    def count_engine_failure(self, reason: str) -> None:
+        if reason not in ENGINE_FAILURE_REASONS:
+            raise ValueError(f"unknown engine failure reason {reason!r}")
+        self.engine_failures.labels(reason).inc()

@@ -300,14 +300,16 @@ class Agent:
         if engine.is_running():
             if engine.health() != "failed":
                 return
-            why = f"engine failed: {engine.log_tail(300)}"
+            reason, why = "failed", f"engine failed: {engine.log_tail(300)}"
         else:
+            reason = "exited"
             why = (
                 f"engine exited unexpectedly with code {engine.exit_code()}: {engine.log_tail(300)}"
             )
         with self._lock:
             if self.current is not engine:
                 return  # a command replaced it meanwhile
+            self.metrics.count_engine_failure(reason)
             self.current = None
             self.current_load = None
             self.state = AgentState.FAILED
@@ -706,6 +708,10 @@ class Agent:
         try:
             engine.wait_ready(self.config.engine_ready_timeout_s, self.stop_event.is_set)
         except EngineStartError as exc:
+            if engine.exit_code() is not None:
+                self.metrics.count_engine_failure("start_exited")
+            elif not self.stop_event.is_set():  # shutting down is no failure
+                self.metrics.count_engine_failure("start_timeout")
             engine.stop()
             raise CommandFailed(str(exc)) from exc
         self.metrics.observe_load_phase("warm", time.monotonic() - started)

@@ -1,7 +1,9 @@
 """Energy counters scraped from Prometheus text, for joules per token.
 
-The names read, in this order (the first one a target exposes wins; samples of one name
-with different labels are summed, and several --metrics-url targets are summed):
+By default the agents' counter is read (an agent's `/metrics` on its `--http-port`, one
+series per version it spent energy on); `--energy-metric` names others, read in order
+(the first one a target exposes wins). Samples of one name with different labels are
+summed, and several --metrics-url targets are summed. The default:
 """
 
 from __future__ import annotations
@@ -10,13 +12,7 @@ import math
 
 import httpx
 
-ENERGY_METRIC_NAMES = (
-    "engine:energy_joules_total",
-    "engine_energy_joules_total",
-    "agent_energy_joules_total",
-    "agent:energy_joules_total",
-    "energy_joules_total",
-)
+ENERGY_METRIC_NAMES = ("agent_energy_joules_total",)
 __doc__ = (__doc__ or "") + "\n".join(f"    {name}" for name in ENERGY_METRIC_NAMES) + "\n"
 
 

@@ -17,7 +17,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import redis
@@ -50,6 +50,12 @@ from controlplane.gateway.recorder import (
     RedisBatcher,
 )
 from controlplane.gateway.relay import AgentRequest, Relay
+from controlplane.gateway.request_metrics import (
+    RequestLabels,
+    rate_limit_count,
+    refusal_observe,
+    request_observe,
+)
 from controlplane.gateway.selectors import KeyGrant
 from controlplane.gateway.spool import Spool
 from controlplane.gateway.upstream import UpstreamPool
@@ -174,12 +180,25 @@ class Gateway:
             return
         if not self.is_started:
             await self.start()
+        labels = RequestLabels(time.perf_counter())
         try:
-            await self._handle(scope, receive, send)
+            await self._handle(scope, receive, send, labels)
         except ClientGone:
             REQUESTS_TOTAL.labels(str(CLIENT_CLOSED)).inc()
+            refusal_observe(
+                labels,
+                status=CLIENT_CLOSED,
+                code="client_closed",
+                seconds=time.perf_counter() - labels.started,
+            )
         except GatewayRequestError as exc:
             REQUESTS_TOTAL.labels(str(exc.status)).inc()
+            refusal_observe(
+                labels,
+                status=exc.status,
+                code=exc.code,
+                seconds=time.perf_counter() - labels.started,
+            )
             await send_json(
                 send,
                 exc.status,
@@ -202,7 +221,7 @@ class Gateway:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    async def _handle(self, scope, receive, send) -> None:
+    async def _handle(self, scope, receive, send, labels: RequestLabels) -> None:
         path = scope["path"]
         method = scope["method"]
         authorization = b""
@@ -244,12 +263,15 @@ class Gateway:
             raise GatewayRequestError(
                 404, "model_not_found", f"The model {model[:100]!r} does not exist.", param="model"
             )
+        labels.model = model  # a model the routing tables name: a bounded label
         try:
             CHECKS[kind](body)  # the engine's own checks: a bad body never reaches an agent
         except RequestFieldError as exc:
             raise GatewayRequestError(400, exc.code, exc.message, param=exc.param) from exc
         table = self.routing.tables[deployment]
-        await self._proxy(scope, receive, send, grant, table, kind, path, body, raw, session_id)
+        await self._proxy(
+            scope, receive, send, grant, table, kind, path, body, raw, session_id, labels
+        )
 
     async def _authenticate(self, authorization: bytes, address: str) -> KeyGrant:
         scheme, _, token = authorization.decode("latin-1").partition(" ")
@@ -330,6 +352,7 @@ class Gateway:
             now=time.monotonic(),
         )
         if not admission.is_allowed:
+            rate_limit_count(admission.limit)
             raise GatewayRequestError(
                 429,
                 "rate_limit_exceeded",
@@ -352,6 +375,7 @@ class Gateway:
         body: dict[str, Any],
         raw: bytes,
         session_id: str | None,
+        labels: RequestLabels,
     ) -> None:
         started_wall = time.time()
         started = time.perf_counter()
@@ -370,6 +394,7 @@ class Gateway:
                 f"No agent is ready to serve {table.model!r}; retry shortly.",
                 "server_error",
             )
+        labels.version = str(version.version_id)
         reservation = token_reservation(
             body,
             kind,
@@ -378,6 +403,7 @@ class Gateway:
         )
         if reservation > grant.tokens_per_minute:
             # No window would ever admit it: say so, rather than "retry after".
+            rate_limit_count("tokens")
             raise GatewayRequestError(
                 429,
                 "request_exceeds_token_limit",
@@ -445,18 +471,32 @@ class Gateway:
                 outcome=outcome,
                 text=text,
             )
+            gaps = outcome.meter.gaps if outcome.meter is not None else ()
+            is_tokens = kind != "embeddings"
             if admit.done():
-                self._finish(admit, record, reservation)
+                self._finish(admit, record, reservation, labels, gaps, is_tokens)
             else:  # the client left before the admission came back
-                admit.add_done_callback(lambda future: self._finish(future, record, reservation))
+                admit.add_done_callback(
+                    lambda future: self._finish(
+                        future, record, reservation, labels, gaps, is_tokens
+                    )
+                )
 
     def _finish(
-        self, admit: "asyncio.Future[Admission | None]", record: RequestRecord, reservation: int
+        self,
+        admit: "asyncio.Future[Admission | None]",
+        record: RequestRecord,
+        reservation: int,
+        labels: RequestLabels,
+        gaps: Sequence[float],
+        is_tokens: bool,
     ) -> None:
-        """Queue the request's stream entry and settlement, unless it was refused."""
+        """Count the request and queue its stream entry and settlement, unless it was
+        refused (a refusal is counted where it is answered, in __call__)."""
         if admit.cancelled() or admit.exception() is not None:
             return  # refused (429): no usage, no entry, nothing to settle
         REQUESTS_TOTAL.labels(str(record.status)).inc()
+        request_observe(labels, record, gaps=gaps, is_tokens=is_tokens)
         admission = admit.result()
         delta = record.prompt_tokens + record.completion_tokens - reservation
         settlement = (

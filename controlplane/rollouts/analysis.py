@@ -1,7 +1,8 @@
 """Canary analysis as pure functions on sample arrays: no database, no clock.
 
 `analyze` compares canary with baseline over one window and returns a verdict
-(pass, fail, inconclusive) with its figures and human-readable reasons;
+(pass, fail, inconclusive) with its figures, human-readable reasons and each signal's own
+verdict (`SIGNALS`);
 `stage_decide` turns a verdict and the stage's progress into an action;
 `hard_breach` is the fast path ingest calls on the last N canary requests.
 
@@ -26,6 +27,20 @@ class Verdict(StrEnum):
     PASS = "pass"  # noqa: S105 - a verdict, not a password
     FAIL = "fail"
     INCONCLUSIVE = "inconclusive"
+
+
+# The signals an analysis judges, each with a verdict of its own: the canary's absolute
+# limits, and its comparisons with the baseline. A signal not compared (too few samples,
+# loads too different, no energy figures) is inconclusive.
+SIGNALS = (
+    "ttft_p95_limit",
+    "itl_p95_limit",
+    "error_rate_limit",
+    "ttft_vs_baseline",
+    "itl_vs_baseline",
+    "errors_vs_baseline",
+    "energy_vs_baseline",
+)
 
 
 class Action(StrEnum):
@@ -138,6 +153,10 @@ class AnalysisResult:
     baseline: dict[str, Any]
     canary: dict[str, Any]
     tests: dict[str, Any] = field(default_factory=dict)
+    # signal (SIGNALS) -> its verdict's value
+    signals: dict[str, str] = field(
+        default_factory=lambda: dict.fromkeys(SIGNALS, Verdict.INCONCLUSIVE.value)
+    )
 
 
 def summarize(samples: Samples) -> dict[str, Any]:
@@ -207,16 +226,26 @@ def analyze(
         return result
 
     failures: list[str] = []
+    signals = result.signals
+
+    def judge(signal: str, is_failed: bool) -> None:
+        signals[signal] = (Verdict.FAIL if is_failed else Verdict.PASS).value
+
     # Absolute SLO limits on the canary.
-    if can["ttft_p95_ms"] is not None and can["ttft_p95_ms"] > policy.ttft_p95_max_ms:
+    if can["ttft_p95_ms"] is not None:
+        judge("ttft_p95_limit", can["ttft_p95_ms"] > policy.ttft_p95_max_ms)
+    if signals["ttft_p95_limit"] == Verdict.FAIL:
         failures.append(
             f"TTFT p95 {can['ttft_p95_ms']:.1f} ms is over the limit {policy.ttft_p95_max_ms:g} ms"
         )
-    if can["itl_p95_ms"] is not None and can["itl_p95_ms"] > policy.itl_p95_max_ms:
+    if can["itl_p95_ms"] is not None:
+        judge("itl_p95_limit", can["itl_p95_ms"] > policy.itl_p95_max_ms)
+    if signals["itl_p95_limit"] == Verdict.FAIL:
         failures.append(
             f"ITL p95 {can['itl_p95_ms']:.1f} ms is over the limit {policy.itl_p95_max_ms:g} ms"
         )
-    if can["error_rate"] > policy.error_rate_max:
+    judge("error_rate_limit", can["error_rate"] > policy.error_rate_max)
+    if signals["error_rate_limit"] == Verdict.FAIL:
         failures.append(
             f"error rate {can['error_rate']:.3f} is over the limit {policy.error_rate_max:g}"
         )
@@ -240,6 +269,7 @@ def analyze(
             canary_values, baseline_values, tolerance=policy.latency_tolerance
         )
         result.tests[f"{name}_mann_whitney"] = test
+        judge(f"{name}_vs_baseline", test["p_value"] < policy.alpha)
         if test["p_value"] < policy.alpha:
             failures.append(
                 f"{name.upper()} is higher on the canary than on the baseline"
@@ -252,6 +282,7 @@ def analyze(
         can["errors"], can["requests"], base["errors"], base["requests"]
     )
     result.tests["errors_z"] = errors
+    judge("errors_vs_baseline", errors["p_value"] < policy.alpha)
     if errors["p_value"] < policy.alpha:
         failures.append(
             f"error rate {can['error_rate']:.3f} is higher than the baseline's"
@@ -279,6 +310,7 @@ def analyze(
     else:
         limit = baseline.joules_per_token * (1 + policy.energy_tolerance)
         result.tests["energy_limit_j_per_token"] = limit
+        judge("energy_vs_baseline", canary.joules_per_token > limit)
         if canary.joules_per_token > limit:
             failures.append(
                 f"energy {canary.joules_per_token:.4g} J/token is over the baseline's"

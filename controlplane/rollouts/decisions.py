@@ -93,6 +93,7 @@ def rollout_analyze(*, rollout_id: int, window_end: datetime) -> AnalysisRun | N
         baseline=result.baseline,
         canary={**result.canary, "requests_in_stage": canary_in_stage},
         tests=result.tests,
+        signals=result.signals,
         verdict=result.verdict.value,
         reasons=result.reasons,
         action=action.value,

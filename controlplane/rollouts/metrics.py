@@ -1,19 +1,20 @@
 """The control plane's decisions as Prometheus series, counted from their rows at scrape
 time (controlplane/core/state_metrics.py): rollouts by state, rollbacks by trigger,
-analysis runs by verdict and action, agent commands by kind and status, and how far the
-reconciler is behind the desired routing. Counters stay monotonic: these rows are never
-deleted."""
+analysis runs by verdict and action, their signals by verdict, agent commands by kind and
+status (and those no agent has acknowledged yet), and how far the reconciler is behind
+the desired routing. Counters stay monotonic: these rows are never deleted."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from django.db.models import Count, F, Min
+from django.db.models import Count, F, Min, Q
 from django.utils import timezone
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from controlplane.audit.models import AuditEvent
-from controlplane.fleet.models import AgentCommand
+from controlplane.fleet.models import AgentCommand, CommandStatus
+from controlplane.rollouts.analysis import SIGNALS, Verdict
 from controlplane.rollouts.models import AnalysisRun, Deployment, Rollout, RolloutState
 
 
@@ -45,6 +46,7 @@ class DecisionsCollector:
         ):
             verdicts.add_metric([verdict, action], n)
         yield verdicts
+        yield _signal_verdicts()
 
         commands = CounterMetricFamily(
             "fleet_commands", "Agent commands sent, by their last status", labels=["kind", "status"]
@@ -54,6 +56,7 @@ class DecisionsCollector:
         ):
             commands.add_metric([kind, status], n)
         yield commands
+        yield from _unacknowledged_commands()
 
         behind = Deployment.objects.filter(applied_revision__lt=F("routing_revision"))
         pending = GaugeMetricFamily(
@@ -69,3 +72,44 @@ class DecisionsCollector:
         )
         lag.add_metric([], (timezone.now() - oldest).total_seconds() if oldest else 0.0)
         yield lag
+
+
+def _signal_verdicts() -> Metric:
+    """Each analysis run's signals by their verdicts (a run's `signals` maps a signal to
+    its verdict), counted by the database in one query."""
+    family = CounterMetricFamily(
+        "rollouts_analysis_signal_verdicts",
+        "Signals judged by canary analysis runs, by signal and verdict",
+        labels=["signal", "verdict"],
+    )
+    pairs = [(signal, verdict.value) for signal in SIGNALS for verdict in Verdict]
+    counts = AnalysisRun.objects.aggregate(
+        **{
+            f"n{index}": Count("id", filter=Q(**{f"signals__{signal}": verdict}))
+            for index, (signal, verdict) in enumerate(pairs)
+        }
+    )
+    for index, (signal, verdict) in enumerate(pairs):
+        family.add_metric([signal, verdict], counts[f"n{index}"])
+    return family
+
+
+def _unacknowledged_commands() -> Iterator[Metric]:
+    """Commands in an agent's stream that it has not acknowledged (accepted or answered)
+    yet, and how long the oldest has waited: an agent that stops reading shows here."""
+    pending = AgentCommand.objects.filter(status=CommandStatus.PENDING)
+    waiting = GaugeMetricFamily(
+        "fleet_commands_unacknowledged",
+        "Agent commands not acknowledged by their agent yet",
+        labels=["kind"],
+    )
+    for kind, n in pending.values_list("kind").annotate(n=Count("id")):
+        waiting.add_metric([kind], n)
+    yield waiting
+    oldest = pending.aggregate(oldest=Min("created_at"))["oldest"]
+    age = GaugeMetricFamily(
+        "fleet_commands_oldest_unacknowledged_seconds",
+        "How long the oldest unacknowledged agent command has waited (0 when none)",
+    )
+    age.add_metric([], (timezone.now() - oldest).total_seconds() if oldest else 0.0)
+    yield age

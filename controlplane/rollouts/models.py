@@ -160,6 +160,7 @@ class AnalysisRun(models.Model):
     baseline = models.JSONField()  # figures: requests, errors, p50/p95 TTFT and ITL, J/token
     canary = models.JSONField()
     tests = models.JSONField(default=dict)  # p-values and statistics
+    signals = models.JSONField(default=dict)  # analysis.SIGNALS -> each one's own verdict
     verdict = models.CharField(max_length=20, choices=Verdict.choices)
     reasons = models.JSONField(default=list)
     action = models.CharField(max_length=20)  # analysis.Action

@@ -112,6 +112,7 @@ class AnalysisRunSerializer(serializers.ModelSerializer):
             "baseline",
             "canary",
             "tests",
+            "signals",
             "verdict",
             "reasons",
             "action",

@@ -19,7 +19,7 @@ from contracts.routing import (
 )
 from controlplane.audit.services import audit_event_record
 from controlplane.core.events import publish_event, tenant_live_group
-from controlplane.telemetry.streams import MalformedEntry
+from controlplane.telemetry.streams import MalformedEntry, RefusedEntry
 from controlplane.telemetry.usage import request_records_apply
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,8 @@ class RequestsStreamHandler:
     """Parses `RequestRecord` entries; applies a batch in one idempotent transaction.
 
     An entry without a valid gateway signature (`mac`) is refused before it is parsed:
-    counted in `ingest_requests_refused_total{reason}`, logged without its fields, dropped
+    counted in `ingest_requests_refused_total{reason}` (and as a usage gap,
+    `ingest_usage_gaps_total{reason="refused"}`), logged without its fields, dropped
     like a malformed entry, and audited at most once per `audit_every_s` per process (one
     event counting every refusal since the last).
 
@@ -82,7 +83,7 @@ class RequestsStreamHandler:
             request_fields_verify(fields, settings.TELEMETRY_RECORD_KEY)
         except RequestMacError as exc:
             self._refuse(entry_id, exc.reason)
-            raise MalformedEntry(str(exc)) from exc
+            raise RefusedEntry(str(exc)) from exc
         self._audit_refused()  # what earlier refusals left unaudited, once the minute is up
         try:
             return parse_request_record(fields)

@@ -8,13 +8,17 @@ After trimming, it checks that nothing left the stream unread by its own group (
 trimmed by hand, or by a writer still using MAXLEN): the group has read `entries-read`
 entries up to its last-delivered id; once the stream's first entry lies beyond that id, the
 entries that have left the stream (`entries-added` - `length`) number more than the group
-read by exactly those it never read. They are counted (`ingest_lost_entries_total{stream}`),
-logged and recorded in `{<stream>}:lost` (a hash: `total`, `last_count`, `last_at`) for the
-dashboard, and the group's counter is set to the entries that left (`XGROUP SETID ...
-ENTRIESREAD`; Redis 7.0 goes on adding one per entry read after a gap, so they would
-otherwise be counted again), in one script so that two ingesters count a gap once.
+read by exactly those it never read. They are counted as usage gaps
+(`ingest_usage_gaps_total{reason="trimmed_unread"}`: the only stream ingest trims is the
+requests stream, whose entries are usage), logged and recorded in `{<stream>}:lost` (a
+hash: `total`, `last_count`, `last_at`) for the dashboard, and the group's counter is set
+to the entries that left (`XGROUP SETID ... ENTRIESREAD`; Redis 7.0 goes on adding one per
+entry read after a gap, so they would otherwise be counted again), in one script so that
+two ingesters count a gap once.
 Entries trimmed while pending (delivered, not yet applied: a failed batch, a dead
-consumer) come back without fields; they are counted and recorded the same way.
+consumer) come back without fields; they are recorded the same way and counted with
+`reason="trimmed_pending"`. Each trim also reports how many entries its group has yet to be
+given (`ingest_stream_lag_entries{stream}`, from XINFO GROUPS).
 """
 
 import logging
@@ -24,7 +28,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import redis
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from controlplane.core.redis_clients import reply_text
 
@@ -35,9 +39,28 @@ TRIMMED_TOTAL = Counter(
     "Acknowledged entries trimmed from streams that only ingest trims",
     ["stream"],
 )
-LOST_TOTAL = Counter(
-    "ingest_lost_entries_total",
-    "Entries that left a stream before ingest's group read them (trimmed unread)",
+# Every request record that left the requests stream without becoming usage, by reason:
+# trimmed_unread and trimmed_pending here; refused, malformed and the database's refusals
+# (integrity_error, data_error, database_error) where streams.py drops an entry.
+USAGE_GAPS_TOTAL = Counter(
+    "ingest_usage_gaps_total",
+    "Request records lost before they were metered, by reason",
+    ["reason"],
+)
+USAGE_GAP_REASONS = (
+    "trimmed_unread",
+    "trimmed_pending",
+    "refused",
+    "malformed",
+    "integrity_error",
+    "data_error",
+    "database_error",
+)
+for _reason in USAGE_GAP_REASONS:
+    USAGE_GAPS_TOTAL.labels(_reason)  # every series from the start, at zero
+STREAM_LAG = Gauge(
+    "ingest_stream_lag_entries",
+    "Entries in the stream not yet delivered to ingest's group (at the last trim)",
     ["stream"],
 )
 
@@ -126,22 +149,23 @@ class StreamTrimmer:
             )
         self._is_read_count_unknown[stream] = is_unknown
         if lost > 0:  # the script recorded it
-            self._note_lost(stream, lost)
+            self._note_lost(stream, lost, "trimmed_unread")
 
     def record_lost(self, stream: str, lost: int) -> None:
+        """Entries delivered to this group, then trimmed before they were applied."""
         pipe = self.client.pipeline(transaction=True)
         pipe.hincrby(lost_entries_key(stream), "total", lost)
         pipe.hset(
             lost_entries_key(stream), mapping={"last_count": lost, "last_at": repr(time.time())}
         )
         pipe.execute()
-        self._note_lost(stream, lost)
+        self._note_lost(stream, lost, "trimmed_pending")
 
-    def _note_lost(self, stream: str, lost: int) -> None:
-        LOST_TOTAL.labels(stream).inc(lost)
+    def _note_lost(self, stream: str, lost: int, reason: str) -> None:
+        USAGE_GAPS_TOTAL.labels(reason).inc(lost)
         logger.error(
             "entries left the stream before ingest applied them",
-            extra={"stream": stream, "group": self.group, "lost": lost},
+            extra={"stream": stream, "group": self.group, "lost": lost, "reason": reason},
         )
 
     def _trim(self, stream: str) -> None:
@@ -149,6 +173,8 @@ class StreamTrimmer:
         groups: Any = self.client.xinfo_groups(stream)
         for group in groups:
             name = reply_text(group["name"])
+            if name == self.group and group.get("lag") is not None:  # null: Redis cannot tell
+                STREAM_LAG.labels(stream).set(int(group["lag"]))
             # Entries up to the last-delivered id are acknowledged, except those pending.
             candidate = _next_id(_parse_id(reply_text(group["last-delivered-id"])))
             summary: Any = self.client.xpending(stream, name)

@@ -16,7 +16,9 @@ the entries' fault: nothing is dropped, the batch stays pending and comes back.
 
 A stream whose handler says `is_trimmed_by_ingest` (the requests stream: its entries are
 usage) has no MAXLEN: ingest trims it below what every group acknowledged and counts
-entries that left it unread (stream_trim.py).
+entries that left it unread (stream_trim.py). Every entry of such a stream that is dropped
+(refused, malformed, refused by the database) is a usage gap too
+(`ingest_usage_gaps_total{reason}`).
 
 `on_tick(is_caught_up)` runs every `tick_every_s` whether or not entries keep coming
 (periodic work such as lost-agent detection must not wait for an idle moment);
@@ -43,7 +45,7 @@ from django.db import (
 from prometheus_client import Counter, Histogram
 
 from controlplane.core.redis_clients import reply_text
-from controlplane.telemetry.stream_trim import StreamTrimmer
+from controlplane.telemetry.stream_trim import USAGE_GAPS_TOTAL, StreamTrimmer
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,10 @@ BATCH_SECONDS = Histogram("ingest_batch_seconds", "Time to apply one batch of en
 
 class MalformedEntry(ValueError):
     """The entry cannot be understood; it is counted and dropped."""
+
+
+class RefusedEntry(MalformedEntry):
+    """The entry is not signed by a writer ingest trusts; it is counted and dropped."""
 
 
 class StreamHandler(Protocol):
@@ -148,7 +154,8 @@ class StreamIngestor:
             except Exception as exc:
                 # Malformed, or a parser that cannot cope with it: either way this entry
                 # would fail again on every delivery, so it must not hold up the stream.
-                _count_dropped(stream, "malformed")
+                is_refused = isinstance(exc, RefusedEntry)
+                _count_dropped(stream, handler, "malformed", "refused" if is_refused else None)
                 logger.warning(
                     "dropping malformed entry",
                     extra={"stream": stream, "entry_id": entry_id, "reason": str(exc)},
@@ -181,7 +188,7 @@ class StreamIngestor:
                     stream, handler, items[middle:], ids[middle:]
                 )
             reason = _refusal_reason(exc)
-            _count_dropped(stream, reason)
+            _count_dropped(stream, handler, reason)
             # Not str(exc): its DETAIL can quote the whole row, prompt text included.
             logger.warning(
                 "dropping an entry the database refused",
@@ -317,9 +324,13 @@ def _is_trimmed_by_ingest(handler: StreamHandler) -> bool:
     return bool(getattr(handler, "is_trimmed_by_ingest", False))
 
 
-def _count_dropped(stream: str, reason: str) -> None:
+def _count_dropped(
+    stream: str, handler: StreamHandler, reason: str, gap_reason: str | None = None
+) -> None:
     MALFORMED_TOTAL.labels(stream).inc()
     DROPPED_TOTAL.labels(stream, reason).inc()
+    if _is_trimmed_by_ingest(handler):  # its entries are usage: a dropped one is a gap
+        USAGE_GAPS_TOTAL.labels(gap_reason or reason).inc()
 
 
 def _is_refusal(exc: DatabaseError) -> bool:

@@ -271,9 +271,19 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
     port = free_port_pair()
     ingest_log, agent_log = tmp_path / "ingest.log", tmp_path / "agent.log"
     redis_url = settings.REDIS_URL
+    # Both serve /metrics: the engine's failure and the agent's loss are counted there.
+    ingest_metrics = f"http://127.0.0.1:{free_port()}"
+    agent_metrics = f"http://127.0.0.1:{free_port()}"
     with (
-        running(ingest_args(), ingest_log),
-        running(agent_args("agent-a", port, redis_url, live_server.url, fleet), agent_log) as agent,
+        running([*ingest_args(), "--metrics-port", ingest_metrics.rsplit(":", 1)[1]], ingest_log),
+        running(
+            [
+                *agent_args("agent-a", port, redis_url, live_server.url, fleet),
+                "--http-port",
+                agent_metrics.rsplit(":", 1)[1],
+            ],
+            agent_log,
+        ) as agent,
     ):
         # It registers with its inventory, and its heartbeats reach the database.
         wait_until(
@@ -364,6 +374,8 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
         assert "faults set" in replays()[0].detail
 
         # Its engine dies: the agent reports failed at once, then loads the version again.
+        failures = "agent_engine_failures_total"
+        assert sample(scrape(agent_metrics), failures, reason="exited") == 0
         os.kill(engine_pid(port), signal.SIGKILL)
         wait_until(
             lambda: "engine exited unexpectedly" in agent_row("agent-a").detail,
@@ -376,11 +388,15 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
             message=logs(agent_log, ingest_log),
         )
         assert "restarting the engine for version" in agent_log.read_text()
+        failed = scrape(agent_metrics)
+        assert sample(failed, failures, reason="exited") == 1
+        assert sample(failed, failures, reason="start_exited") == 0
         restarted = agent_row("agent-a").endpoint
         # Restarted from the same load command: the same secrets.
         assert ask_paris(restarted, serving) == "The capital of France is Paris."
 
         # Killed outright: lost within 5 s, and its engine does not outlive it.
+        lost_before = sample(scrape(ingest_metrics), "fleet_agents_lost_total")
         agent.send_signal(signal.SIGKILL)
         agent.wait(timeout=10)
         killed_at = time.monotonic()
@@ -391,6 +407,12 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
             message=logs(ingest_log),
         )
         assert time.monotonic() - killed_at <= 5
+        # Counted just after the row is written.
+        wait_until(
+            lambda: sample(scrape(ingest_metrics), "fleet_agents_lost_total") == lost_before + 1,
+            timeout=5,
+            message=logs(ingest_log),
+        )
         restarted_port = int(restarted.rsplit(":", 1)[1])
         wait_until(
             lambda: not is_listening(restarted_port),

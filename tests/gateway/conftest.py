@@ -142,7 +142,14 @@ class GatewayProcess:
     log: Path
 
 
-def start_gateway(log_dir: Path, spool_dir: Path, **env: str) -> GatewayProcess:
+def start_gateway(
+    log_dir: Path,
+    spool_dir: Path,
+    application: str = "controlplane.asgi:application",
+    **env: str,
+) -> GatewayProcess:
+    """A gateway process: by default `web` (the /v1/ mount), or `application` (the
+    standalone gateway, `controlplane.gateway.asgi:application`)."""
     port = free_port()
     log = log_dir / f"gateway-{port}.log"
     process = start_process(
@@ -150,7 +157,7 @@ def start_gateway(log_dir: Path, spool_dir: Path, **env: str) -> GatewayProcess:
             PYTHON,
             "-m",
             "uvicorn",
-            "controlplane.asgi:application",
+            application,
             "--host",
             "127.0.0.1",
             "--port",

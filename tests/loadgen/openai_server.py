@@ -1,7 +1,7 @@
 """A small, real OpenAI-compatible ASGI server for the load generator's own tests.
 
 It streams `max_tokens` one-word chunks `token_delay_s` apart, checks bearer keys when
-`keys` is set (401 otherwise), can leave out the usage chunk, and exposes an energy
+`keys` is set (401 otherwise), can leave out the usage chunk, and exposes an agent's energy
 counter on /metrics that grows by `joules_per_token` per streamed token.
 """
 
@@ -52,8 +52,8 @@ class OpenAIServer:
             return
         if scope["path"] == "/metrics":
             text = (
-                "# TYPE engine:energy_joules_total counter\n"
-                f'engine:energy_joules_total{{device="cpu"}} {self.joules}\n'
+                "# TYPE agent_energy_joules_total counter\n"
+                f'agent_energy_joules_total{{version="1"}} {self.joules}\n'
             )
             await self._respond(send, 200, text.encode(), b"text/plain")
             return

@@ -47,7 +47,7 @@ def test_trace_replay_maps_tenants_to_their_keys_and_writes_results(tmp_path):
     assert summary["completion_tokens"] == 12
     assert summary["usage_reported_share"] == 1.0
     assert summary["energy"]["available"] is True
-    assert summary["energy"]["metrics_read"] == ["engine:energy_joules_total"]
+    assert summary["energy"]["metrics_read"] == ["agent_energy_joules_total"]
     assert summary["energy"]["joules"] == pytest.approx(6.0)  # 12 tokens at 0.5 J
     assert summary["energy"]["joules_per_output_token"] == pytest.approx(0.5)
     with (out / "run_requests.csv").open() as handle:

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from controlplane.rollouts.analysis import (
+    SIGNALS,
     Action,
     AnalysisPolicy,
     Samples,
@@ -108,6 +109,31 @@ def test_energy_over_tolerance_fails() -> None:
     assert result.verdict == Verdict.FAIL
     assert result.tests["energy_limit_j_per_token"] == pytest.approx(1.15)
     assert result.reasons == ["energy 1.2 J/token is over the baseline's 1 J/token + 15%"]
+    assert result.signals == {
+        "ttft_p95_limit": "pass",
+        "itl_p95_limit": "pass",
+        "error_rate_limit": "pass",
+        "ttft_vs_baseline": "pass",
+        "itl_vs_baseline": "pass",
+        "errors_vs_baseline": "pass",
+        "energy_vs_baseline": "fail",
+    }
+
+
+def test_signals_not_judged_are_inconclusive() -> None:
+    few = Samples(ttft_ms=[10.0] * 4, itl_ms=[5.0] * 4, errors=[False] * 4)
+    result = analyze(baseline=few, canary=few, policy=POLICY)
+    assert result.verdict == Verdict.INCONCLUSIVE
+    assert set(result.signals.values()) == {"inconclusive"}
+    assert set(result.signals) == set(SIGNALS)
+    # At a full-weight stage the rank tests are left out; with no energy figures, energy too.
+    side = Samples(ttft_ms=[10.0] * 5, itl_ms=[5.0] * 5, errors=[False] * 5)
+    full = analyze(baseline=side, canary=side, policy=POLICY, compare_latency=False)
+    assert [name for name, verdict in full.signals.items() if verdict == "inconclusive"] == [
+        "ttft_vs_baseline",
+        "itl_vs_baseline",
+        "energy_vs_baseline",
+    ]
 
 
 def energy_side(joules_per_token: float, tokens_per_agent_s: float) -> Samples:

@@ -1,11 +1,12 @@
 """`manage.py ingest --metrics-port`: the real ingest process serves its counters, so the
-refusals it counts are visible to Prometheus (not only in-process)."""
+refusals and usage gaps it counts are visible to Prometheus (not only in-process)."""
 
 import httpx
 import pytest
 from django.conf import settings
 from prometheus_client.parser import text_string_to_metric_families
 
+from contracts.routing import REQUESTS_STREAM, request_fields_sign
 from contracts.streams import HEARTBEATS_STREAM
 from tests.agent.test_agent_processes import free_port_pair, ingest_args, running
 from tests.conftest import wait_until
@@ -34,10 +35,28 @@ def test_the_ingest_process_serves_its_counters(redis_client, tmp_path) -> None:
         publish(redis_client, heartbeat(agent="agent-a", seq=1))
         forged = heartbeat(agent="agent-a", seq=2)
         redis_client.xadd(HEARTBEATS_STREAM, forged.to_fields())  # no mac
-        refused = ("fleet_heartbeats_refused_total", (("reason", "missing_mac"),))
+        # Two request records lost before they were metered: one no gateway signed, one a
+        # gateway signed that does not parse.
+        redis_client.xadd(REQUESTS_STREAM, {"request_id": "x"})
+        redis_client.xadd(
+            REQUESTS_STREAM, request_fields_sign({"v": "1"}, settings.TELEMETRY_RECORD_KEY)
+        )
+        expected = {
+            ("fleet_heartbeats_refused_total", (("reason", "missing_mac"),)): 1.0,
+            ("ingest_usage_gaps_total", (("reason", "refused"),)): 1.0,
+            ("ingest_usage_gaps_total", (("reason", "malformed"),)): 1.0,
+            ("ingest_usage_gaps_total", (("reason", "trimmed_unread"),)): 0.0,
+        }
         applied = ("ingest_entries_total", (("stream", HEARTBEATS_STREAM),))
+
+        def counted() -> bool:
+            now = samples(port)
+            return now.get(applied, 0) >= 1 and all(
+                now.get(key) == value for key, value in expected.items()
+            )
+
         wait_until(
-            lambda: samples(port).get(refused) == 1.0 and samples(port).get(applied, 0) >= 1,
+            counted,
             timeout=30,
             message=lambda: f"{samples(port)}\n{(tmp_path / 'ingest.log').read_text()}",
         )

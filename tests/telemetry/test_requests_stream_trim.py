@@ -23,7 +23,12 @@ from controlplane.gateway.recorder import RedisBatcher, RequestsStreamFull, spoo
 from controlplane.gateway.spool import Spool
 from controlplane.telemetry.models import RequestSample
 from controlplane.telemetry.requests import RequestsStreamHandler
-from controlplane.telemetry.stream_trim import LOST_TOTAL, lost_entries_key, stream_loss_get
+from controlplane.telemetry.stream_trim import (
+    STREAM_LAG,
+    USAGE_GAPS_TOTAL,
+    lost_entries_key,
+    stream_loss_get,
+)
 from controlplane.telemetry.streams import StreamIngestor
 from controlplane.tenants.models import Tenant, UsageRecord
 from tests.gateway.conftest import Setup, make_setup, signed_entry
@@ -85,8 +90,16 @@ def stream_ids(client: redis.Redis) -> list[str]:
     return [entry_id for entry_id, _ in entries]
 
 
+def stream_lag() -> float:
+    return STREAM_LAG.labels(REQUESTS_STREAM)._value.get()
+
+
 def lost_total() -> float:
-    return LOST_TOTAL.labels(REQUESTS_STREAM)._value.get()
+    """Usage gaps of entries trimmed from the stream, read or not."""
+    return sum(
+        USAGE_GAPS_TOTAL.labels(reason)._value.get()
+        for reason in ("trimmed_unread", "trimmed_pending")
+    )
 
 
 async def gateway_writes(setup: Setup, records: list[RequestRecord], spool: Spool) -> None:
@@ -128,6 +141,7 @@ def test_an_ingest_outage_past_the_stream_cap_loses_no_usage(redis_client, setti
     assert spool.pending_count() == 70
     stream_ingestor.trim_acknowledged()  # nothing acknowledged: nothing trimmed
     assert redis_client.xlen(REQUESTS_STREAM) == 50
+    assert stream_lag() == 50  # all of them unread
     # The spool's replay waits while the stream is full, and keeps every entry.
     with pytest.raises(RequestsStreamFull):
         spool.replay(lambda entries: spooled_entries_write(redis_client, entries))
@@ -138,6 +152,7 @@ def test_an_ingest_outage_past_the_stream_cap_loses_no_usage(redis_client, setti
     drain(stream_ingestor)
     stream_ingestor.trim_acknowledged()
     assert redis_client.xlen(REQUESTS_STREAM) == 0
+    assert stream_lag() == 0
     replayed = spool.replay(lambda entries: spooled_entries_write(redis_client, entries))
     assert replayed == 70
     assert spool.pending_count() == 0
