@@ -59,7 +59,14 @@ def test_seed_demo_twice(tmp_path, capsys, redis_client) -> None:
         assert smol[0].artifact_id == smol[1].artifact_id
         assert smol[0].artifact.format == "gguf"
         minilm = ModelVersion.objects.get(model__name="all-MiniLM-L6-v2")
-        assert minilm.artifact.format == "safetensors"
+        assert (minilm.artifact.format, minilm.engine, minilm.status) == (
+            "hf-safetensors",
+            "builtin",
+            "verified",
+        )
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
+            file["path"] for file in minilm.artifact.manifest
+        }
         assert SigningKey.objects.get().is_trusted
 
         credentials = json.loads((demo_dir / "credentials.json").read_text())
