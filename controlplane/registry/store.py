@@ -23,7 +23,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, BinaryIO
+from typing import IO, BinaryIO, cast
 
 from django.conf import settings
 from rest_framework import status
@@ -338,7 +338,7 @@ class _BoundedTarInfo(tarfile.TarInfo):
     """Refuses extended headers (pax, GNU long names) larger than a path could need:
     tarfile reads them into memory whole."""
 
-    def _proc_member(self, archive: tarfile.TarFile) -> tarfile.TarInfo:  # type: ignore[override]
+    def _proc_member(self, archive: tarfile.TarFile) -> tarfile.TarInfo:
         if self.type in EXTENDED_HEADER_TYPES and self.size > MAX_EXTENDED_HEADER_BYTES:
             raise ArtifactRefused(
                 "invalid_archive", "The archive has an extended header larger than 64 KiB."
@@ -370,6 +370,11 @@ def archive_limit(max_bytes: int) -> int:
     return max_bytes + MAX_FILES * 3 * tarfile.BLOCKSIZE + tarfile.RECORDSIZE
 
 
+def _file_chunks(file: IO[bytes]) -> Iterator[bytes]:
+    while chunk := file.read(CHUNK_READ_BYTES):
+        yield chunk
+
+
 def tar_members(stream: IO[bytes], *, max_bytes: int) -> Iterator[FolderMember]:
     """The regular files of an uncompressed tar read as a stream (nothing is extracted by
     name: each file's bytes go to the store by their digest). Folders are skipped; links,
@@ -377,9 +382,7 @@ def tar_members(stream: IO[bytes], *, max_bytes: int) -> Iterator[FolderMember]:
     reader = _CountingReader(stream, archive_limit(max_bytes))
     try:
         archive = tarfile.open(  # noqa: SIM115 - read member by member below
-            fileobj=reader,  # type: ignore[arg-type]
-            mode="r|",
-            tarinfo=_BoundedTarInfo,
+            fileobj=cast(IO[bytes], reader), mode="r|", tarinfo=_BoundedTarInfo
         )
         for member in archive:
             if member.isdir():
@@ -392,10 +395,7 @@ def tar_members(stream: IO[bytes], *, max_bytes: int) -> Iterator[FolderMember]:
                 )
             extracted = archive.extractfile(member)
             assert extracted is not None  # a regular file
-            yield FolderMember(
-                path=member.name,
-                chunks=iter(lambda extracted=extracted: extracted.read(CHUNK_READ_BYTES), b""),
-            )
+            yield FolderMember(path=member.name, chunks=_file_chunks(extracted))
     except (tarfile.TarError, EOFError, UnicodeDecodeError) as error:
         raise ArtifactRefused(
             "invalid_archive", f"The body is not an uncompressed tar archive: {error}"

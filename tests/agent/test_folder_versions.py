@@ -103,7 +103,8 @@ def test_a_folder_version_is_checked_file_by_file_and_serves_embeddings(
     model = Model.objects.create(name=MODEL, task="embedding")
     artifact, _ = registry_services.artifact_store_folder(actor=None, path=MINILM)
     assert artifact.format == "hf-safetensors"
-    assert {file["path"] for file in artifact.manifest} >= {"config.json", "model.safetensors"}
+    manifest: list[dict[str, Any]] = artifact.manifest or []
+    assert {file["path"] for file in manifest} >= {"config.json", "model.safetensors"}
     version = registry_services.version_verify(
         actor=None,
         version=registry_services.version_register(
@@ -129,7 +130,9 @@ def test_a_folder_version_is_checked_file_by_file_and_serves_embeddings(
         def routed() -> bool:
             reconcile_deployment(deployment_id=deployment.pk)
             raw = redis_client.get(routing_key("minilm"))
-            return bool(raw) and any(route.endpoints for route in parse_routing_table(raw).versions)
+            return raw is not None and any(
+                route.endpoints for route in parse_routing_table(raw).versions
+            )
 
         # The reconciler has the agent load the version: fetched file by file, checked, served.
         wait_until(
@@ -140,7 +143,7 @@ def test_a_folder_version_is_checked_file_by_file_and_serves_embeddings(
         )
         assert sorted(
             path.relative_to(cache).as_posix() for path in cache.rglob("*") if path.is_file()
-        ) == sorted(file["path"] for file in artifact.manifest)
+        ) == sorted(file["path"] for file in manifest)
         answer = embed(gateway.url, key, TEXTS)
         vectors = [item["embedding"] for item in answer["data"]]
         assert [len(vector) for vector in vectors] == [384, 384, 384]
@@ -174,7 +177,7 @@ def test_a_folder_version_is_checked_file_by_file_and_serves_embeddings(
         (cache / "vocab.txt").write_bytes(vocab.replace(b"[PAD]", b"[DAP]", 1))
         refused("artifact_file_changed", "vocab.txt")
         # In the store: the agent downloads it again and finds it is not what was signed.
-        [vocab_file] = [file for file in artifact.manifest if file["path"] == "vocab.txt"]
+        [vocab_file] = [file for file in manifest if file["path"] == "vocab.txt"]
         stored = store.artifact_path(vocab_file["sha256"])
         stored.chmod(0o644)
         stored.write_bytes(vocab.replace(b"[PAD]", b"[DAP]", 1))

@@ -3,6 +3,7 @@
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -150,18 +151,20 @@ def test_the_signature_covers_the_manifest_and_the_engine() -> None:
         engine_args=args,
     )
     other = manifest_digest(manifest_build([ManifestFile("config.json", 2, "c" * 64)]))
-    for changed in (
-        {"digest": other},
-        {"engine": "sglang"},
-        {"engine_args": {"tensor_parallel_size": 4}},
-    ):
-        arguments = {"digest": digest, "engine": "vllm", "engine_args": args, **changed}
+    changes: list[tuple[str, str, dict[str, Any]]] = [
+        (other, "vllm", args),
+        (digest, "sglang", args),
+        (digest, "vllm", {"tensor_parallel_size": 4}),
+    ]
+    for signed_digest, engine, engine_args in changes:
         with pytest.raises(ValueError, match="does not match"):
             verify_signature(
                 public_key_b64=signer.public_key_b64,
                 signature_b64=signature,
+                digest=signed_digest,
                 serving_config=config,
-                **arguments,
+                engine=engine,
+                engine_args=engine_args,
             )
     # A built-in version without arguments signs what versions signed before engines.
     assert (

@@ -90,6 +90,7 @@ def test_a_folder_is_stored_as_its_manifest_and_its_files(client_for, artifact_r
 
 
 SAFE = embedding_folder()
+WEIGHTS = SAFE["model.safetensors"]
 
 
 @pytest.mark.parametrize(
@@ -107,16 +108,19 @@ SAFE = embedding_folder()
         (tar_bytes({**SAFE, "model.safetensors": b"\x80\x04pickled.."}), 415, "unsafe_format"),
         (tar_bytes({**SAFE, "model.safetensors": gguf_bytes()}), 415, "unknown_format"),
         (tar_bytes({**SAFE, "notes.json": b"PK\x03\x04zipped..."}), 415, "unsafe_format"),
-        (tar_bytes({"tokenizer.json": b"{}", "model.safetensors": SAFE["model.safetensors"]}), 400, "incomplete_folder"),
-        (tar_bytes({"config.json": b"{}", "weights/model.safetensors": SAFE["model.safetensors"]}), 400, "incomplete_folder"),
+        (tar_bytes({"tokenizer.json": b"{}", "model.safetensors": WEIGHTS}), 400,
+         "incomplete_folder"),
+        (tar_bytes({"config.json": b"{}", "weights/model.safetensors": WEIGHTS}), 400,
+         "incomplete_folder"),
         (tar_bytes({}), 400, "empty_folder"),
+        (tar_bytes({"a" * 70_000 + ".json": b"{}"}), 400, "invalid_archive"),
         (b"not a tar archive at all" * 40, 400, "invalid_archive"),
         (b"", 400, "invalid_archive"),
     ],
     ids=[
         "parent", "absolute", "escaping", "symlink", "hardlink", "duplicate", "case-duplicate",
         "code", "pickle-name", "pickle-weights", "gguf-weights", "zip", "no-config",
-        "no-top-weights", "empty", "garbage", "nothing",
+        "no-top-weights", "empty", "huge-header", "garbage", "nothing",
     ],
 )  # fmt: skip
 def test_unsafe_or_incomplete_folders_are_refused_and_leave_nothing(

@@ -105,6 +105,18 @@ def test_every_combination_that_loads_is_registered(
     assert (event.after["engine"], event.after["engine_args"]) == (engine, engine_args)
 
 
+def vllm(**engine_args: Any) -> dict[str, Any]:
+    return {"engine": "vllm", "engine_args": engine_args}
+
+
+def openai(**engine_args: Any) -> dict[str, Any]:
+    return {"engine": "openai", "engine_args": engine_args}
+
+
+INT8 = {**SERVING_CONFIG, "dtype": "int8"}
+BAD_ARGS = "invalid_engine_args"
+
+
 @pytest.mark.parametrize(
     ("task", "artifact", "fields", "code", "field"),
     [
@@ -117,21 +129,25 @@ def test_every_combination_that_loads_is_registered(
         ("embedding", "embedding-folder", {"engine": "sglang"}, "engine_task_mismatch", "engine"),
         ("chat", "embedding-folder", {"engine": "builtin"}, "engine_cannot_load", "engine"),
         ("embedding", "chat-folder", {"engine": "builtin"}, "engine_cannot_load", "engine"),
-        ("chat", "gguf", {"engine": "openai", "engine_args": OPENAI_ARGS}, "artifact_not_allowed", "engine"),
+        ("chat", "gguf", openai(**OPENAI_ARGS), "artifact_not_allowed", "engine"),
         ("chat", None, {"engine": "builtin"}, "artifact_required", "engine"),
-        ("chat", "chat-folder", {"engine": "vllm", "serving_config": {**SERVING_CONFIG, "dtype": "int8"}}, "engine_dtype_mismatch", "serving_config"),
-        ("chat", "chat-folder", {"engine": "vllm", "engine_args": {"trust_remote_code": True}}, "invalid_engine_args", "engine_args"),
-        ("chat", "chat-folder", {"engine": "vllm", "engine_args": {"host": "0.0.0.0"}}, "invalid_engine_args", "engine_args"),
-        ("chat", "chat-folder", {"engine": "vllm", "engine_args": {"port": 9000}}, "invalid_engine_args", "engine_args"),
-        ("chat", "chat-folder", {"engine": "vllm", "engine_args": {"tensor_parallel_size": "2"}}, "invalid_engine_args", "engine_args"),
-        ("chat", "chat-folder", {"engine": "vllm", "engine_args": {"tensor_parallel_size": 1.5}}, "invalid_engine_args", "engine_args"),
-        ("chat", "chat-folder", {"engine": "vllm", "engine_args": {"gpu_memory_utilization": 1.5}}, "invalid_engine_args", "engine_args"),
-        ("chat", "chat-folder", {"engine": "vllm", "engine_args": {"quantization": "--load-format=pt"}}, "invalid_engine_args", "engine_args"),
-        ("chat", "chat-folder", {"engine": "vllm", "engine_args": {"enforce_eager": "yes"}}, "invalid_engine_args", "engine_args"),
-        ("chat", "gguf", {"engine": "builtin", "engine_args": {"tensor_parallel_size": 2}}, "invalid_engine_args", "engine_args"),
-        ("chat", None, {"engine": "openai", "engine_args": {"base_url": "https://user:pw@x.example/v1", "upstream_model": "m"}}, "invalid_engine_args", "engine_args"),
-        ("chat", None, {"engine": "openai", "engine_args": {"base_url": "file:///etc/passwd", "upstream_model": "m"}}, "invalid_engine_args", "engine_args"),
-        ("chat", None, {"engine": "openai", "engine_args": {"upstream_model": "m"}}, "invalid_engine_args", "engine_args"),
+        ("chat", "chat-folder", {**vllm(), "serving_config": INT8}, "engine_dtype_mismatch",
+         "serving_config"),
+        ("chat", "chat-folder", vllm(trust_remote_code=True), BAD_ARGS, "engine_args"),
+        ("chat", "chat-folder", vllm(host="0.0.0.0"), BAD_ARGS, "engine_args"),
+        ("chat", "chat-folder", vllm(port=9000), BAD_ARGS, "engine_args"),
+        ("chat", "chat-folder", vllm(tensor_parallel_size="2"), BAD_ARGS, "engine_args"),
+        ("chat", "chat-folder", vllm(tensor_parallel_size=1.5), BAD_ARGS, "engine_args"),
+        ("chat", "chat-folder", vllm(gpu_memory_utilization=1.5), BAD_ARGS, "engine_args"),
+        ("chat", "chat-folder", vllm(quantization="--load-format=pt"), BAD_ARGS, "engine_args"),
+        ("chat", "chat-folder", vllm(enforce_eager="yes"), BAD_ARGS, "engine_args"),
+        ("chat", "gguf", {"engine": "builtin", "engine_args": {"tensor_parallel_size": 2}},
+         BAD_ARGS, "engine_args"),
+        ("chat", None, openai(base_url="https://user:pw@x.example/v1", upstream_model="m"),
+         BAD_ARGS, "engine_args"),
+        ("chat", None, openai(base_url="file:///etc/passwd", upstream_model="m"), BAD_ARGS,
+         "engine_args"),
+        ("chat", None, openai(upstream_model="m"), BAD_ARGS, "engine_args"),
     ],
     ids=[
         "gguf-vllm", "gguf-sglang", "folder-llama.cpp", "bare-safetensors-builtin",
