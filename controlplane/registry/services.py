@@ -60,52 +60,56 @@ def artifact_store(
         declared_digest=declared_digest,
         max_bytes=settings.ARTIFACT_MAX_BYTES if max_bytes is None else max_bytes,
     )
+    return _artifact_record(
+        actor=actor,
+        digest=stored.digest,
+        artifact_format=stored.format,
+        size_bytes=stored.size_bytes,
+    )
+
+
+def _artifact_record(
+    *,
+    actor: Actor,
+    digest: str,
+    artifact_format: str,
+    size_bytes: int,
+    manifest: list[dict[str, Any]] | None = None,
+) -> tuple[Artifact, bool]:
+    """The row of what the store now holds; (artifact, created). Audited when created."""
     with transaction.atomic():
         artifact, created = Artifact.objects.get_or_create(
-            digest=stored.digest,
+            digest=digest,
             defaults={
-                "format": stored.format,
-                "size_bytes": stored.size_bytes,
+                "format": artifact_format,
+                "size_bytes": size_bytes,
+                "manifest": manifest,
                 "created_by": acting_user(actor),
             },
         )
         if created:
+            after: dict[str, Any] = {"format": artifact_format, "size_bytes": size_bytes}
+            if manifest is not None:
+                after["files"] = len(manifest)
             audit_event_record(
                 actor=actor,
                 action="artifact.store",
                 object_type="artifact",
                 object_id=artifact.digest,
                 object_repr=f"sha256:{artifact.digest}",
-                after={"format": artifact.format, "size_bytes": artifact.size_bytes},
+                after=after,
             )
     return artifact, created
 
 
 def _folder_record(*, actor: Actor, stored: store.StoredFolder) -> tuple[Artifact, bool]:
-    with transaction.atomic():
-        artifact, created = Artifact.objects.get_or_create(
-            digest=stored.digest,
-            defaults={
-                "format": ArtifactFormat.HF_SAFETENSORS,
-                "size_bytes": stored.size_bytes,
-                "manifest": [file.to_json() for file in stored.files],
-                "created_by": acting_user(actor),
-            },
-        )
-        if created:
-            audit_event_record(
-                actor=actor,
-                action="artifact.store",
-                object_type="artifact",
-                object_id=artifact.digest,
-                object_repr=f"sha256:{artifact.digest}",
-                after={
-                    "format": artifact.format,
-                    "size_bytes": artifact.size_bytes,
-                    "files": len(stored.files),
-                },
-            )
-    return artifact, created
+    return _artifact_record(
+        actor=actor,
+        digest=stored.digest,
+        artifact_format=ArtifactFormat.HF_SAFETENSORS,
+        size_bytes=stored.size_bytes,
+        manifest=[file.to_json() for file in stored.files],
+    )
 
 
 def artifact_store_archive(
