@@ -91,6 +91,15 @@ def _unknown_format() -> ArtifactRefused:
     )
 
 
+def too_large_error(what: str, max_bytes: int) -> ArtifactRefused:
+    """413: `what` (an artifact, a folder, an archive) is larger than `max_bytes`."""
+    return ArtifactRefused(
+        "artifact_too_large",
+        f"{what} is larger than the limit of {max_bytes} bytes.",
+        status_code=status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
+    )
+
+
 def _could_be_safetensors(head: bytes) -> bool:
     return len(head) >= SNIFF_BYTES and head[8:9] == b"{"
 
@@ -134,9 +143,7 @@ class StoredFile:
     size_bytes: int
 
 
-def _write_temp(
-    *, chunks: Iterable[bytes], max_bytes: int, name: str = ""
-) -> tuple[Path, str, int, str | None]:
+def _write_temp(*, chunks: Iterable[bytes], max_bytes: int) -> tuple[Path, str, int, str | None]:
     """Stream chunks into a temporary file in the store, hashing as they come; nothing is
     kept in memory. (path, hex digest, size, format or None when it is neither GGUF nor
     safetensors); refuses pickle and zip at their first bytes, and more than max_bytes.
@@ -157,12 +164,7 @@ def _write_temp(
                     continue
                 size += len(chunk)
                 if size > max_bytes:
-                    what = f"{name!r} is" if name else "The artifact is"
-                    raise ArtifactRefused(
-                        "artifact_too_large",
-                        f"{what} larger than the limit of {max_bytes} bytes.",
-                        status_code=status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
-                    )
+                    raise too_large_error("The artifact", max_bytes)
                 if len(head) < SNIFF_BYTES:
                     head += chunk[: SNIFF_BYTES - len(head)]
                     if len(head) >= SNIFF_BYTES:
@@ -277,9 +279,14 @@ def store_folder(*, members: Iterable[FolderMember], max_bytes: int) -> StoredFo
                 raise ArtifactRefused(
                     "too_many_files", f"A folder holds at most {MAX_FILES} files."
                 )
-            temp_path, digest, size, file_format = _write_temp(
-                chunks=member.chunks, max_bytes=max_bytes - total, name=path
-            )
+            try:
+                temp_path, digest, size, file_format = _write_temp(
+                    chunks=member.chunks, max_bytes=max_bytes - total
+                )
+            except ArtifactRefused as refused:
+                if refused.code == "artifact_too_large":
+                    raise too_large_error("The folder", max_bytes) from refused
+                raise
             staged.append((temp_path, digest))
             total += size
             if path.endswith(".safetensors") and file_format != ArtifactFormat.SAFETENSORS:
@@ -356,11 +363,7 @@ class _CountingReader:
         data = self.stream.read(size if size >= 0 else CHUNK_READ_BYTES)
         self.count += len(data)
         if self.count > self.limit:
-            raise ArtifactRefused(
-                "artifact_too_large",
-                f"The archive is larger than the limit of {self.limit} bytes.",
-                status_code=status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
-            )
+            raise too_large_error("The archive", self.limit)
         return data
 
 

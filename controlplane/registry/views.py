@@ -330,11 +330,7 @@ class ArtifactContentView(BlobView):
         # Refuse at once what declares itself too large; the stream is counted as well.
         declared_length = request.headers.get("Content-Length", "")
         if declared_length.isdigit() and int(declared_length) > settings.ARTIFACT_MAX_BYTES:
-            raise DomainError(
-                "artifact_too_large",
-                f"The artifact is larger than the limit of {settings.ARTIFACT_MAX_BYTES} bytes.",
-                status_code=status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
-            )
+            raise store.too_large_error("The artifact", settings.ARTIFACT_MAX_BYTES)
         stream = request.stream
         chunk_size = settings.ARTIFACT_CHUNK_BYTES
         chunks = iter(lambda: stream.read(chunk_size), b"") if stream is not None else iter(())
@@ -391,11 +387,7 @@ class ArtifactFolderUploadView(APIView):
         declared_length = request.headers.get("Content-Length", "")
         limit = store.archive_limit(settings.ARTIFACT_MAX_BYTES)
         if declared_length.isdigit() and int(declared_length) > limit:
-            raise DomainError(
-                "artifact_too_large",
-                f"The folder is larger than the limit of {settings.ARTIFACT_MAX_BYTES} bytes.",
-                status_code=status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
-            )
+            raise store.too_large_error("The archive", limit)
         artifact, created = services.artifact_store_archive(
             actor=request.user,
             stream=request.stream or io.BytesIO(),
