@@ -200,7 +200,8 @@ class EvaluationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
 
 
 class ArtifactViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
-    """Artifact metadata. Upload with PUT and download with GET on /artifacts/<hex>."""
+    """Artifact metadata. A file: PUT and GET on /artifacts/<hex>; a folder: POST a tar to
+    /artifacts/folders/, GET its manifest on /artifacts/<hex> and its files under it."""
 
     permission_classes = [allows(access.can_view_registry)]
     serializer_class = ArtifactSerializer
