@@ -135,12 +135,20 @@ def artifact_store_archive(
     return _folder_record(actor=actor, stored=stored)
 
 
-def artifact_store_folder(*, actor: Actor, path: Path) -> tuple[Artifact, bool]:
+def artifact_store_folder(
+    *, actor: Actor, path: Path, declared_digest: str | None = None
+) -> tuple[Artifact, bool]:
     """Store a server-side model folder (admin command, demo seed); a stored one is not
-    copied again."""
+    copied again. A declared digest must be the folder's (its manifest's)."""
     if not path.is_dir():
         raise DomainError("not_a_folder", f"{path} is not a readable folder.")
     digest = store.folder_manifest_digest(path)
+    if declared_digest and store.digest_parse(declared_digest) != digest:
+        raise store.ArtifactRefused(
+            "digest_mismatch",
+            f"The folder's manifest digest is {digest}, not the declared {declared_digest}.",
+            fields={"digest": [declared_digest]},
+        )
     existing = Artifact.objects.filter(digest=digest).first()
     if existing is not None and store.artifact_path(digest).is_file():
         return existing, False

@@ -27,9 +27,9 @@ class Command(BaseCommand):
     def handle(self, *args: Any, path: Path, digest: str | None, **options: Any) -> None:
         try:
             if path.is_dir():
-                artifact, created = services.artifact_store_folder(actor=None, path=path)
-                if digest and services.store.digest_parse(digest) != artifact.digest:
-                    raise CommandError(f"digest_mismatch: the folder is sha256:{artifact.digest}")
+                artifact, created = services.artifact_store_folder(
+                    actor=None, path=path, declared_digest=digest
+                )
             else:
                 artifact, created = services.artifact_store_file(
                     actor=None, path=path, declared_digest=digest
