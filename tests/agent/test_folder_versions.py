@@ -83,13 +83,17 @@ def load(fleet: Any, agent: str, version_id: int) -> AgentCommand:  # noqa: F811
     return command.get()
 
 
-def embed(url: str, key: str, texts: list[str]) -> dict[str, Any]:
-    response = httpx.post(
+def post_embeddings(url: str, key: str, texts: list[str]) -> httpx.Response:
+    return httpx.post(
         f"{url}/v1/embeddings",
         headers={"Authorization": f"Bearer {key}"},
         json={"model": MODEL, "input": texts},
         timeout=60,
     )
+
+
+def embed(url: str, key: str, texts: list[str]) -> dict[str, Any]:
+    response = post_embeddings(url, key, texts)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -144,6 +148,12 @@ def test_a_folder_version_is_checked_file_by_file_and_serves_embeddings(
         assert sorted(
             path.relative_to(cache).as_posix() for path in cache.rglob("*") if path.is_file()
         ) == sorted(file["path"] for file in manifest)
+        # The gateway learns of the new table by pub/sub: its first answer may come before.
+        wait_until(
+            lambda: post_embeddings(gateway.url, key, TEXTS).status_code != 503,
+            timeout=30,
+            message=lambda: logs(gateway.log),
+        )
         answer = embed(gateway.url, key, TEXTS)
         vectors = [item["embedding"] for item in answer["data"]]
         assert [len(vector) for vector in vectors] == [384, 384, 384]
@@ -154,14 +164,14 @@ def test_a_folder_version_is_checked_file_by_file_and_serves_embeddings(
         tokens = sum(len(tokenizer.encode(text).ids) for text in TEXTS)
         assert answer["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
         engine_logs = agent_dir / "logs"
-        started = sorted(path.name for path in engine_logs.glob("engine-*.log"))
+        started = sorted(log.name for log in engine_logs.glob("engine-*.log"))
 
         def refused(reason: str, path: str) -> str:
             """Load the version again; it fails for `reason`, no engine starts, the copy goes."""
             result = load(fleet, "agent-e", version.pk)
             assert result.status == "failed", result.detail
             assert result.detail.startswith(f"{reason}: {path}"), result.detail
-            assert sorted(path.name for path in engine_logs.glob("engine-*.log")) == started
+            assert sorted(log.name for log in engine_logs.glob("engine-*.log")) == started
             assert not is_listening(port + 1)
             assert not cache.exists()
             return result.detail
