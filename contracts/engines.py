@@ -10,7 +10,6 @@ task that cannot load; an agent turns the arguments into flags with `engine_flag
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -65,15 +64,17 @@ class EngineArgumentError(ValueError):
 class Option:
     """One engine argument: its type, bounds or choices, and its flag.
 
-    kind: "int", "float", "bool", "choice", "url" or "name". A bool adds `flag` when true
-    and `flag_false` when false ("" adds nothing); others add `flag` and the value. Options
-    without a flag are read by the agent itself (an openai endpoint's address).
+    kind: "int", "percent", "bool", "choice", "url" or "name". Numbers are integers only:
+    a signature covers the JSON, and integers have one spelling (a percent is given to the
+    engine as a fraction). A bool adds `flag` when true and `flag_false` when false (""
+    adds nothing); others add `flag` and the value. Options without a flag are read by the
+    agent itself (an openai endpoint's address).
     """
 
     kind: str
     flag: str = ""
-    low: float = 0
-    high: float = 0
+    low: int = 0
+    high: int = 0
     choices: tuple[str, ...] = ()
     flag_false: str = ""
 
@@ -90,7 +91,7 @@ OPTIONS: dict[str, dict[str, Option]] = {
     VLLM: {
         "tensor_parallel_size": Option("int", "--tensor-parallel-size", 1, 64),
         "pipeline_parallel_size": Option("int", "--pipeline-parallel-size", 1, 64),
-        "gpu_memory_utilization": Option("float", "--gpu-memory-utilization", 0.05, 0.99),
+        "gpu_memory_percent": Option("percent", "--gpu-memory-utilization", 5, 99),
         "quantization": Option("choice", "--quantization", choices=QUANTIZATIONS),
         "kv_cache_dtype": Option(
             "choice", "--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -107,7 +108,7 @@ OPTIONS: dict[str, dict[str, Option]] = {
     SGLANG: {
         "tp_size": Option("int", "--tp-size", 1, 64),
         "dp_size": Option("int", "--dp-size", 1, 64),
-        "mem_fraction_static": Option("float", "--mem-fraction-static", 0.05, 0.99),
+        "mem_fraction_static_percent": Option("percent", "--mem-fraction-static", 5, 99),
         "quantization": Option("choice", "--quantization", choices=QUANTIZATIONS[:4]),
         "kv_cache_dtype": Option(
             "choice", "--kv-cache-dtype", choices=("auto", "fp8_e4m3", "fp8_e5m2")
@@ -149,12 +150,10 @@ def _value_problem(option: Option, value: Any) -> str | None:
         return None if is_name else "must be a model name (letters, digits, '._:/-')"
     if option.kind == "url":
         return _url_problem(value)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return "must be a number"
-    if option.kind == "int" and not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, int):
         return "must be an integer"
-    if not math.isfinite(value) or not option.low <= value <= option.high:
-        return f"must be between {option.low:g} and {option.high:g}"
+    if not option.low <= value <= option.high:
+        return f"must be between {option.low} and {option.high}"
     return None
 
 
@@ -212,6 +211,8 @@ def engine_flags(engine: str, engine_args: Mapping[str, Any]) -> list[str]:
         if option.kind == "bool":
             flag = option.flag if value else option.flag_false
             flags += [flag] if flag else []
+        elif option.kind == "percent":
+            flags += [option.flag, f"{value / 100:g}"]
         elif option.flag:
             flags += [option.flag, str(value)]
     return flags

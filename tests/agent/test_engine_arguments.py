@@ -79,3 +79,22 @@ def test_the_builtin_engines_options_are_flags_its_parser_takes(tmp_path: Path) 
         threads=1, engine_args={"prefix_caching": True, "enforce_eager": False},
     ).arguments()])  # fmt: skip
     assert (defaults.no_prefix_caching, defaults.enforce_eager) == (False, False)
+
+
+def test_other_engines_options_become_their_flags() -> None:
+    vllm = {"gpu_memory_percent": 90, "prefix_caching": False, "tensor_parallel_size": 2}
+    assert engine_flags("vllm", vllm) == [
+        "--gpu-memory-utilization",
+        "0.9",
+        "--no-enable-prefix-caching",
+        "--tensor-parallel-size",
+        "2",
+    ]
+    sglang = {"mem_fraction_static_percent": 85, "radix_cache": True, "cuda_graph": False}
+    assert engine_flags("sglang", sglang) == [
+        "--disable-cuda-graph",
+        "--mem-fraction-static",
+        "0.85",
+    ]
+    assert engine_flags("llama.cpp", {"n_gpu_layers": -1}) == ["--n-gpu-layers", "-1"]
+    assert engine_flags("openai", {"base_url": "http://x", "upstream_model": "m"}) == []

@@ -337,7 +337,7 @@ def test_version_pages_show_the_engine_its_arguments_and_a_folders_files(world, 
         artifact=folder,
         serving_config={"dtype": "float32"},
         engine="vllm",
-        engine_args={"gpu_memory_utilization": 0.5},
+        engine_args={"gpu_memory_percent": 50},
     )
     endpoint = ModelVersion.objects.create(
         model=model,
@@ -352,7 +352,7 @@ def test_version_pages_show_the_engine_its_arguments_and_a_folders_files(world, 
     assert 'data-engine="vllm">vLLM<' in page
     assert "in 2 files" in page
     assert "<code>model.safetensors</code>" in page
-    assert "&quot;gpu_memory_utilization&quot;: 0.5" in page
+    assert "&quot;gpu_memory_percent&quot;: 50" in page
     hosted = client.get(f"/registry/versions/{endpoint.pk}/").content.decode()
     assert 'data-engine="openai">OpenAI-compatible endpoint<' in hosted
     assert "none: served by the endpoint in its engine arguments" in hosted
