@@ -1,20 +1,25 @@
-"""The control plane's HTTP API as the agent uses it: registration and artifact download."""
+"""The control plane's HTTP API as the agent uses it: registration and artifact download
+(a file, or a folder's manifest and then each of its files)."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from contracts.manifest import ManifestError, ManifestFile, file_sha256, manifest_parse
 
 logger = logging.getLogger(__name__)
 
 REGISTER_PATH = "/api/v1/fleet/agents/register/"
 ENROL_PATH = "/api/v1/fleet/agents/enrol/"
 ARTIFACT_PATH = "/api/v1/artifacts/{digest}"
+ARTIFACT_FILE_PATH = "/api/v1/artifacts/{digest}/files/{file_digest}"
 CHUNK_BYTES = 1024 * 1024
 
 
@@ -23,7 +28,15 @@ class ControlPlaneError(RuntimeError):
 
 
 class ArtifactError(RuntimeError):
-    """The artifact could not be fetched, or its bytes are not the ones that were signed."""
+    """The artifact could not be fetched (`is_not_found`: the server has no such file), or
+    its bytes are not the ones that were signed (`is_mismatch`)."""
+
+    def __init__(
+        self, message: str, *, is_mismatch: bool = False, is_not_found: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.is_mismatch = is_mismatch
+        self.is_not_found = is_not_found
 
 
 class EnrolmentRefused(ControlPlaneError):
@@ -76,16 +89,65 @@ class ControlPlaneClient:
         return body
 
     def fetch_artifact(self, *, digest: str, suffix: str, cache_dir: Path) -> Path:
-        """The verified local copy of an artifact: downloaded (resuming a partial download
-        with Range), its SHA-256 checked against `digest`. Raises ArtifactError otherwise."""
+        """The verified local copy of a file artifact: downloaded (resuming a partial
+        download with Range), its SHA-256 checked against `digest`. Raises ArtifactError
+        otherwise."""
         cache_dir.mkdir(parents=True, exist_ok=True)
-        final = cache_dir / f"{digest}{suffix}"
+        return self._download(
+            ARTIFACT_PATH.format(digest=digest), digest, cache_dir / f"{digest}{suffix}"
+        )
+
+    def fetch_folder(
+        self, *, digest: str, cache_dir: Path
+    ) -> tuple[Path, tuple[ManifestFile, ...]]:
+        """A folder artifact's local copy and its manifest, whose SHA-256 is `digest`.
+
+        Each file missing from the copy is downloaded and checked against the manifest as it
+        arrives (into a staging folder, renamed into place once complete). A copy already in
+        place is not checked here: the caller checks every file (`folder_verify`) before it
+        starts anything, and `folder_discard`s a copy that fails.
+        """
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        manifest_path = self._download(
+            ARTIFACT_PATH.format(digest=digest), digest, cache_dir / f"{digest}.manifest.json"
+        )
+        try:
+            files = manifest_parse(manifest_path.read_bytes())
+        except ManifestError as exc:
+            raise ArtifactError(f"artifact_manifest_invalid: {exc}") from exc
+        folder = cache_dir / digest
+        if folder.is_dir():
+            return folder, files
+        staging = cache_dir / f"{digest}.staging"
+        for file in files:
+            target = staging / file.path  # checked relative paths (contracts/manifest.py)
+            if target.is_file():
+                continue  # completed by an earlier attempt; verified with the rest below
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self._download(
+                    ARTIFACT_FILE_PATH.format(digest=digest, file_digest=file.sha256),
+                    file.sha256,
+                    target,
+                )
+            except ArtifactError as exc:
+                if exc.is_mismatch:
+                    raise ArtifactError(f"artifact_file_changed: {file.path}: {exc}") from exc
+                if exc.is_not_found:
+                    raise ArtifactError(f"artifact_file_missing: {file.path}: {exc}") from exc
+                raise  # unreachable, refused: the next attempt resumes
+        staging.replace(folder)
+        return folder, files
+
+    def _download(self, url_path: str, digest: str, final: Path) -> Path:
+        """`final`, holding the bytes whose SHA-256 is `digest`: kept if already there and
+        right, else downloaded (resuming `final`.part with Range)."""
         if final.exists():
             if file_sha256(final) == digest:
                 return final
             logger.warning("cached artifact does not match its digest; fetching again")
             final.unlink()
-        partial = cache_dir / f"{digest}{suffix}.part"
+        partial = final.with_name(final.name + ".part")
         hasher = hashlib.sha256()
         offset = 0
         if partial.exists():
@@ -94,17 +156,21 @@ class ControlPlaneClient:
         try:
             with (
                 self._client() as client,
-                client.stream("GET", ARTIFACT_PATH.format(digest=digest), headers=headers) as r,
+                client.stream("GET", url_path, headers=headers) as r,
             ):
                 if r.status_code == 200 and offset:  # the server ignored Range: start over
                     hasher, offset = hashlib.sha256(), 0
                     partial.unlink(missing_ok=True)
                 elif r.status_code not in (200, 206):
-                    raise ArtifactError(f"artifact download refused: HTTP {r.status_code}")
+                    raise ArtifactError(
+                        f"artifact download refused: HTTP {r.status_code}",
+                        is_not_found=r.status_code == 404,
+                    )
                 announced = r.headers.get("X-Artifact-Digest")
                 if announced and announced != f"sha256:{digest}":
                     raise ArtifactError(
-                        f"artifact server announced {announced}, expected sha256:{digest}"
+                        f"artifact server announced {announced}, expected sha256:{digest}",
+                        is_mismatch=True,
                     )
                 with open(partial, "ab") as out:
                     for chunk in r.iter_bytes(CHUNK_BYTES):
@@ -117,11 +183,18 @@ class ControlPlaneClient:
         if received != digest:
             partial.unlink(missing_ok=True)
             raise ArtifactError(
-                f"artifact digest mismatch: expected sha256:{digest}, received sha256:{received}"
+                f"artifact digest mismatch: expected sha256:{digest}, received sha256:{received}",
+                is_mismatch=True,
             )
         os.chmod(partial, 0o444)
         partial.replace(final)
         return final
+
+
+def folder_discard(folder: Path) -> None:
+    """Remove a folder copy that failed its check, so that the next load fetches it anew."""
+    if folder.is_dir():
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _hash_into(path: Path, hasher: Any) -> int:
@@ -131,9 +204,3 @@ def _hash_into(path: Path, hasher: Any) -> int:
             hasher.update(chunk)
             size += len(chunk)
     return size
-
-
-def file_sha256(path: Path) -> str:
-    hasher = hashlib.sha256()
-    _hash_into(path, hasher)
-    return hasher.hexdigest()

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from contracts.engines import BUILTIN, engine_flags
 from engine.config import AGENT_NAME_VARIABLE, EngineSecrets
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def _die_with_parent() -> None:
 
 @dataclass
 class EngineSpec:
-    model_path: Path
+    model_path: Path  # a file (GGUF) or a folder (HF safetensors), checked before the start
     serving_config: dict[str, Any]
     served_model_name: str
     host: str
@@ -82,6 +83,9 @@ class EngineSpec:
     secrets: EngineSecrets | None = field(default=None, repr=False)
     agent_name: str = ""  # the engine answers it, with a proof, on GET /identity
     gpu_index: int = 0
+    # The version's engine and its arguments (signed; contracts/engines.py allows them).
+    engine: str = BUILTIN
+    engine_args: dict[str, Any] = field(default_factory=dict)
 
     def arguments(self) -> list[str]:
         return [
@@ -100,6 +104,7 @@ class EngineSpec:
             repr(float(self.fault_latency_ms)),
             "--fault-error-rate",
             repr(float(self.fault_error_rate)),
+            *engine_flags(self.engine, self.engine_args),
         ]
 
 

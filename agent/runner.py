@@ -26,12 +26,18 @@ import socket
 import threading
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import redis
 
 from agent.config import AgentConfig
-from agent.control_plane import ArtifactError, ControlPlaneClient, ControlPlaneError
+from agent.control_plane import (
+    ArtifactError,
+    ControlPlaneClient,
+    ControlPlaneError,
+    folder_discard,
+)
 from agent.energy import EnergyMeter, choose_energy_meter
 from agent.engine_process import EngineProcess, EngineSpec, EngineStartError
 from agent.http_server import AgentHttpServer
@@ -39,6 +45,8 @@ from agent.inventory import accelerator_inventory
 from agent.metrics import AgentMetrics
 from agent.redis_link import RedisLink, RedisUnavailable
 from agent.telemetry import TelemetryAccumulator
+from contracts import engines
+from contracts.manifest import ManifestError, folder_verify
 from contracts.signing import SignatureError, verify_signature
 from contracts.streams import (
     AGENT_COMMANDS_GROUP,
@@ -610,6 +618,8 @@ class Agent:
                 and previous_load is not None
                 and previous_load.digest == load.digest
                 and previous_load.serving_config == load.serving_config
+                and previous_load.engine == load.engine
+                and previous_load.engine_args == load.engine_args
                 # The engine requires its own load's secrets: the routing table names the
                 # newest load's, so a load with new ones starts a new engine.
                 and previous_load.serving_secret == load.serving_secret
@@ -657,19 +667,18 @@ class Agent:
                 signature_b64=load.signature,
                 digest=load.digest,
                 serving_config=load.serving_config,
+                engine=load.engine,
+                engine_args=load.engine_args,
             )
         except SignatureError as exc:
             raise CommandFailed(f"signature refused: {exc}") from exc
+        if load.engine != engines.BUILTIN:
+            raise CommandFailed(
+                f"engine_unavailable: this agent starts the builtin engine, not {load.engine}"
+            )
         self.metrics.observe_load_phase("verify", time.monotonic() - started)
         started = time.monotonic()
-        try:
-            path = self.control_plane.fetch_artifact(
-                digest=load.digest,
-                suffix=ARTIFACT_SUFFIXES.get(load.format, ""),
-                cache_dir=self.config.artifact_dir,
-            )
-        except ArtifactError as exc:
-            raise CommandFailed(str(exc)) from exc
+        path = self._fetch_artifact(load)
         self.metrics.observe_load_phase("fetch", time.monotonic() - started)
         with self._lock:
             in_use = {engine.port for engine in [self.current, *self.retiring] if engine}
@@ -682,6 +691,8 @@ class Agent:
         spec = EngineSpec(
             model_path=path,
             serving_config=dict(load.serving_config),
+            engine=load.engine,
+            engine_args=dict(load.engine_args),
             served_model_name=load.served_model_name,
             host=self.config.bind_host,
             port=port,
@@ -716,6 +727,29 @@ class Agent:
             raise CommandFailed(str(exc)) from exc
         self.metrics.observe_load_phase("warm", time.monotonic() - started)
         return engine
+
+    def _fetch_artifact(self, load: LoadPayload) -> Path:
+        """The artifact's local copy, every byte checked against the signed digest: a file's
+        as it is fetched, a folder's files against its manifest just before the engine
+        starts (a copy that fails is removed, and the load refused with the reason)."""
+        try:
+            if load.format != engines.FORMAT_HF_FOLDER:
+                return self.control_plane.fetch_artifact(
+                    digest=load.digest,
+                    suffix=ARTIFACT_SUFFIXES.get(load.format, ""),
+                    cache_dir=self.config.artifact_dir,
+                )
+            folder, files = self.control_plane.fetch_folder(
+                digest=load.digest, cache_dir=self.config.artifact_dir
+            )
+        except ArtifactError as exc:
+            raise CommandFailed(str(exc)) from exc
+        try:
+            folder_verify(folder, files)
+        except ManifestError as exc:
+            folder_discard(folder)
+            raise CommandFailed(f"{exc.reason}: {exc}") from exc
+        return folder
 
     def drain(self, version_id: int | None = None) -> str:
         """Drain the engine; with `version_id`, only if that is the version it serves."""

@@ -52,6 +52,7 @@ import msgspec
 from cryptography.exceptions import InvalidSignature
 from msgspec import Meta, defstruct
 
+from contracts import engines
 from contracts.fields_mac import fields_sign, fields_verify
 from contracts.signing import SignatureError, load_public_key
 
@@ -477,9 +478,11 @@ def parse_heartbeat(data: Mapping[str, str]) -> Heartbeat:
 class LoadPayload:
     """Everything an agent needs to fetch, verify and start a version.
 
-    The signature covers (digest, serving_config); the agent checks the artifact's
-    SHA-256 against `digest`, that `key_id` is one of its pinned release keys with this
-    `public_key`, and the signature with it, before anything is loaded.
+    The signature covers (digest, serving_config, engine, engine_args); the agent checks
+    that `key_id` is one of its pinned release keys with this `public_key`, the signature
+    with it, and the artifact against `digest` (a file's SHA-256, or a folder's manifest's,
+    each of whose files it checks too: contracts/manifest.py), before anything is loaded.
+    An openai version has no artifact: `digest` and `format` are empty.
     `serving_secret` and `admin_secret` are the bearer secrets the engine it starts
     requires (derived per load command by the control plane; never recorded nor shown).
     """
@@ -497,6 +500,8 @@ class LoadPayload:
     served_model_name: str
     serving_secret: str = field(default="", repr=False)
     admin_secret: str = field(default="", repr=False)
+    engine: str = engines.BUILTIN
+    engine_args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True, frozen=True)
@@ -650,8 +655,19 @@ def _payload_value(payload: Mapping[str, Any], name: str, kind: type | tuple[typ
 
 
 def parse_load_payload(payload: Mapping[str, Any]) -> LoadPayload:
+    # Absent from commands sent before versions named their engine: the built-in one.
+    engine = payload.get("engine", engines.BUILTIN)
+    if engine not in engines.ENGINES:
+        raise ContractError(f"payload.engine: must be one of {', '.join(engines.ENGINES)}")
+    try:
+        engine_args = engines.engine_args_validate(engine, payload.get("engine_args") or {})
+    except engines.EngineArgumentError as exc:
+        raise ContractError(f"payload.engine_args: {exc}") from exc
     digest = _payload_value(payload, "digest", str)
-    if not DIGEST_PATTERN.fullmatch(digest):
+    if engine == engines.OPENAI:
+        if digest:
+            raise ContractError("payload.digest: an openai version has no artifact")
+    elif not DIGEST_PATTERN.fullmatch(digest):
         raise ContractError("payload.digest: must be 64 lowercase hex characters")
     version_id = _payload_value(payload, "version_id", int)
     if version_id < 1:
@@ -678,6 +694,8 @@ def parse_load_payload(payload: Mapping[str, Any]) -> LoadPayload:
         key_id=_payload_value(payload, "key_id", str),
         public_key=_payload_value(payload, "public_key", str),
         served_model_name=_payload_value(payload, "served_model_name", str),
+        engine=engine,
+        engine_args=engine_args,
         **secrets,
     )
 

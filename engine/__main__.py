@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over the OpenAI-compatible HTTP API")
     serve.add_argument(
-        "--model", required=True, help="smollm2, minilm, a .gguf file or a HF folder"
+        "--model",
+        required=True,
+        help="smollm2, minilm, a .gguf file or a HF folder (a BERT one serves embeddings only)",
     )
     serve.add_argument(
         "--dtype",
@@ -115,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    embedding_only = args.model == "minilm"
+    from engine.loader import is_embedding_folder
+
+    embedding_only = args.model == "minilm" or is_embedding_folder(args.model)
     try:
         if not 0 < args.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {args.port}")

@@ -7,6 +7,7 @@ import json
 import logging
 import threading
 from concurrent.futures import Future
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,7 +22,8 @@ logger = logging.getLogger("engine.embeddings")
 class EmbeddingService:
     model_name = "all-MiniLM-L6-v2"
 
-    def __init__(self, batch_size: int = 32, threads: int = 0):
+    def __init__(self, batch_size: int = 32, threads: int = 0, folder: Path | None = None):
+        self.folder = folder  # a sentence-transformers folder; None: the MiniLM package's
         self.batch_size = batch_size
         self.threads = threads
         self.model: BertEncoder | None = None
@@ -36,15 +38,18 @@ class EmbeddingService:
     @property
     def is_available(self) -> bool:
         try:
-            return self.model is not None or minilm_path().exists()
+            return self.model is not None or self._folder().exists()
         except FileNotFoundError:
             return False
+
+    def _folder(self) -> Path:
+        return self.folder if self.folder is not None else minilm_path()
 
     def load(self) -> None:
         with self._load_lock:
             if self.model is not None:
                 return
-            folder = minilm_path()
+            folder = self._folder()
             tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
             sbert = folder / "sentence_bert_config.json"
             if sbert.exists():

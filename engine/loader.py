@@ -71,6 +71,17 @@ def resolve_model_path(name_or_path: str) -> Path:
     return path
 
 
+def is_embedding_folder(name_or_path: str) -> bool:
+    """A HF folder holding a BERT encoder (sentence embeddings), not a decoder."""
+    config = Path(name_or_path) / "config.json"
+    if name_or_path in ("smollm2", "minilm") or not config.is_file():
+        return False
+    try:
+        return json.loads(config.read_text()).get("model_type") == "bert"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def load_checkpoint(path: Path) -> Checkpoint:
     if path.is_file() and path.suffix == ".gguf":
         return load_gguf(path)

@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -165,7 +166,9 @@ class EngineApp:
             self.refused.labels(scope=scope)
         self.embedding_only = embedding_only
         self.engine = None if embedding_only else LLMEngine(config)
-        self.embeddings = EmbeddingService(config.embedding_batch_size, config.threads)
+        # An embedding-only server given a folder serves that folder's encoder.
+        folder = Path(config.model) if embedding_only and config.model != "minilm" else None
+        self.embeddings = EmbeddingService(config.embedding_batch_size, config.threads, folder)
         self.state = "loading"
         self.active_requests = 0
         self.load_error: str | None = None

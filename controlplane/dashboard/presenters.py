@@ -179,9 +179,13 @@ def version_comparison(left: Any, right: Any) -> list[dict[str, Any]]:
             "Model": version.model.name,
             "Label": version.label,
             "Status": version.get_status_display(),
-            "Digest": f"sha256:{version.artifact_id}",
-            "Format": version.artifact.format,
-            "Size (bytes)": version.artifact.size_bytes,
+            "Digest": f"sha256:{version.artifact_id}" if version.artifact_id else "",
+            "Format": version.artifact.format if version.artifact else "",
+            "Size (bytes)": version.artifact.size_bytes if version.artifact else "",
+            "Files": len(version.artifact.manifest)
+            if version.artifact and version.artifact.manifest
+            else "",
+            "Engine": version.get_engine_display(),
             "Signature": signature_status(version),
             "Signing key": version.signing_key.key_id if version.signing_key_id else "",
             "Source": version.source,
@@ -190,6 +194,8 @@ def version_comparison(left: Any, right: Any) -> list[dict[str, Any]]:
         }
         for key, value in sorted((version.serving_config or {}).items()):
             row[f"serving: {key}"] = value
+        for key, value in sorted((version.engine_args or {}).items()):
+            row[f"engine: {key}"] = value
         return row
 
     left_facts, right_facts = facts(left), facts(right)

@@ -1,14 +1,18 @@
 """The model registry: models, versions, their artifacts, signing keys and evaluations.
 
-An artifact is content-addressed: its identity is the SHA-256 of its bytes, computed by the
-server. A version couples one artifact with a serving configuration; a signature from a
-trusted key covers both (contracts/signing.py).
+An artifact is content-addressed: its identity is the SHA-256 of its bytes (a single file),
+or of its manifest (a folder: contracts/manifest.py), computed by the server. A version
+couples one artifact with a serving configuration, an engine and its arguments; a signature
+from a trusted key covers them all (contracts/signing.py). An openai version has no
+artifact: its engine arguments name the endpoint it is served from.
 """
 
 from typing import Any
 
 from django.conf import settings
 from django.db import models
+
+from contracts import engines
 
 
 class Task(models.TextChoices):
@@ -17,8 +21,17 @@ class Task(models.TextChoices):
 
 
 class ArtifactFormat(models.TextChoices):
-    GGUF = "gguf", "GGUF"
-    SAFETENSORS = "safetensors", "safetensors"
+    GGUF = engines.FORMAT_GGUF, "GGUF"
+    SAFETENSORS = engines.FORMAT_SAFETENSORS, "safetensors"
+    HF_SAFETENSORS = engines.FORMAT_HF_FOLDER, "HF safetensors folder"
+
+
+class Engine(models.TextChoices):
+    BUILTIN = engines.BUILTIN, "built-in"
+    VLLM = engines.VLLM, "vLLM"
+    SGLANG = engines.SGLANG, "SGLang"
+    LLAMA_CPP = engines.LLAMA_CPP, "llama.cpp"
+    OPENAI = engines.OPENAI, "OpenAI-compatible endpoint"
 
 
 class VersionStatus(models.TextChoices):
@@ -53,11 +66,14 @@ class Model(models.Model):
 
 
 class Artifact(models.Model):
-    """One file in the content-addressed store, named by the SHA-256 of its bytes."""
+    """A file in the content-addressed store named by the SHA-256 of its bytes, or a folder
+    named by the SHA-256 of its manifest (its files are stored by their own digests)."""
 
     digest = models.CharField(max_length=64, unique=True)  # lowercase hex SHA-256
     format = models.CharField(max_length=20, choices=ArtifactFormat.choices)
-    size_bytes = models.PositiveBigIntegerField()
+    size_bytes = models.PositiveBigIntegerField()  # a folder's: all its files together
+    # A folder's files: [{"path", "sha256", "size"}, ...] sorted by path; null for a file.
+    manifest = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
@@ -68,6 +84,10 @@ class Artifact(models.Model):
 
     def __str__(self) -> str:
         return f"sha256:{self.digest}"
+
+    @property
+    def is_folder(self) -> bool:
+        return self.manifest is not None
 
 
 class SigningKey(models.Model):
@@ -92,9 +112,11 @@ class SigningKey(models.Model):
 class ModelVersion(models.Model):
     model = models.ForeignKey(Model, on_delete=models.PROTECT, related_name="versions")
     label = models.CharField(max_length=100)
-    # The artifact's digest is this row's `artifact_id` (hex SHA-256).
+    # The artifact's digest is this row's `artifact_id` (hex SHA-256); none for openai.
     artifact = models.ForeignKey(
         Artifact,
+        null=True,
+        blank=True,
         on_delete=models.PROTECT,
         to_field="digest",
         db_column="artifact_digest",
@@ -102,6 +124,9 @@ class ModelVersion(models.Model):
     )
     # dtype, max_model_len, kv_block_size, max_num_seqs, max_num_batched_tokens; signed.
     serving_config = models.JSONField()
+    # Which engine serves it, and with what arguments (contracts/engines.py); signed.
+    engine = models.CharField(max_length=20, choices=Engine.choices, default=Engine.BUILTIN)
+    engine_args = models.JSONField(default=dict, blank=True)
     status = models.CharField(
         max_length=20, choices=VersionStatus.choices, default=VersionStatus.REGISTERED
     )
@@ -127,7 +152,16 @@ class ModelVersion(models.Model):
     class Meta:
         ordering = ["model__name", "-created_at", "-id"]
         constraints = [
-            models.UniqueConstraint(fields=["model", "label"], name="registry_version_unique_label")
+            models.UniqueConstraint(
+                fields=["model", "label"], name="registry_version_unique_label"
+            ),
+            models.CheckConstraint(
+                condition=(
+                    models.Q(engine=Engine.OPENAI, artifact__isnull=True)
+                    | (~models.Q(engine=Engine.OPENAI) & models.Q(artifact__isnull=False))
+                ),
+                name="registry_version_artifact_unless_openai",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -135,7 +169,8 @@ class ModelVersion(models.Model):
 
     @property
     def artifact_digest(self) -> str:
-        return self.artifact_id
+        """The hex digest the signature covers: "" for an openai version."""
+        return self.artifact_id or ""
 
     def snapshot(self) -> dict[str, Any]:
         """The fields an audit event records before and after a change."""
@@ -144,6 +179,8 @@ class ModelVersion(models.Model):
             "label": self.label,
             "artifact_digest": self.artifact_id,
             "serving_config": self.serving_config,
+            "engine": self.engine,
+            "engine_args": self.engine_args,
             "signing_key": self.signing_key.key_id if self.signing_key is not None else None,
             "is_verification_override": self.is_verification_override,
         }

@@ -3,9 +3,11 @@ from typing import Any
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from contracts.engines import OPTIONS
 from controlplane.core.serializers import StrictSerializer
 from controlplane.registry.models import (
     Artifact,
+    Engine,
     EvalKind,
     EvalSuite,
     Evaluation,
@@ -25,16 +27,35 @@ class ModelSerializer(serializers.ModelSerializer):
         fields = ["id", "name", "task", "description", "created_at"]
 
 
+class ManifestFileSerializer(serializers.Serializer):
+    path = serializers.CharField()
+    sha256 = serializers.CharField()
+    size = serializers.IntegerField()
+
+
 class ArtifactSerializer(serializers.ModelSerializer):
     digest = serializers.SerializerMethodField()
+    manifest = serializers.SerializerMethodField()
     created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
 
     class Meta:
         model = Artifact
-        fields = ["digest", "format", "size_bytes", "created_at", "created_by"]
+        fields = ["digest", "format", "size_bytes", "manifest", "created_at", "created_by"]
 
     def get_digest(self, artifact: Artifact) -> str:
         return f"sha256:{artifact.digest}"
+
+    @extend_schema_field(ManifestFileSerializer(many=True, allow_null=True))
+    def get_manifest(self, artifact: Artifact) -> list[dict[str, Any]] | None:
+        """A folder's files (its digest is this list's canonical JSON's); null for a file."""
+        return artifact.manifest
+
+
+def _engine_args_help() -> str:
+    options = "; ".join(
+        f"{engine}: {', '.join(sorted(names))}" for engine, names in OPTIONS.items()
+    )
+    return f"The engine's options (docs/engines.md), by engine: {options}."
 
 
 class ServingConfigSerializer(StrictSerializer):
@@ -71,9 +92,15 @@ class ModelVersionSerializer(serializers.ModelSerializer):
     model_name = serializers.CharField(source="model.name", read_only=True)
     task = serializers.CharField(source="model.task", read_only=True)
     artifact_digest = serializers.SerializerMethodField()
-    format = serializers.CharField(source="artifact.format", read_only=True)
-    size_bytes = serializers.IntegerField(source="artifact.size_bytes", read_only=True)
+    format = serializers.CharField(source="artifact.format", read_only=True, allow_null=True)
+    size_bytes = serializers.IntegerField(
+        source="artifact.size_bytes", read_only=True, allow_null=True
+    )
+    is_folder = serializers.BooleanField(
+        source="artifact.is_folder", read_only=True, allow_null=True
+    )
     serving_config = serializers.SerializerMethodField()
+    engine_args = serializers.SerializerMethodField()
     signing_key = serializers.SlugRelatedField(slug_field="key_id", read_only=True)
     created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
 
@@ -88,7 +115,10 @@ class ModelVersionSerializer(serializers.ModelSerializer):
             "artifact_digest",
             "format",
             "size_bytes",
+            "is_folder",
             "serving_config",
+            "engine",
+            "engine_args",
             "status",
             "source",
             "base_version",
@@ -102,12 +132,16 @@ class ModelVersionSerializer(serializers.ModelSerializer):
             "created_by",
         ]
 
-    def get_artifact_digest(self, version: ModelVersion) -> str:
-        return f"sha256:{version.artifact_id}"
+    def get_artifact_digest(self, version: ModelVersion) -> str | None:
+        return f"sha256:{version.artifact_id}" if version.artifact_id else None
 
     @extend_schema_field(ServingConfigSerializer)
     def get_serving_config(self, version: ModelVersion) -> dict[str, Any]:
         return version.serving_config
+
+    @extend_schema_field(serializers.DictField(help_text=_engine_args_help()))
+    def get_engine_args(self, version: ModelVersion) -> dict[str, Any]:
+        return version.engine_args
 
 
 class SigningKeySerializer(serializers.ModelSerializer):
@@ -177,8 +211,18 @@ class ModelCreateSerializer(StrictSerializer):
 class VersionRegisterSerializer(StrictSerializer):
     model = serializers.PrimaryKeyRelatedField(queryset=Model.objects.all())
     label = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=100)
-    artifact_digest = serializers.RegexField(r"^(sha256:)?[0-9a-fA-F]{64}$")
+    artifact_digest = serializers.RegexField(
+        r"^(sha256:)?[0-9a-fA-F]{64}$",
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="A stored file or folder; none for the openai engine.",
+    )
     serving_config = ServingConfigSerializer()
+    engine = serializers.ChoiceField(choices=Engine.choices, default=Engine.BUILTIN)
+    engine_args = serializers.DictField(
+        child=serializers.JSONField(), required=False, default=dict, help_text=_engine_args_help()
+    )
     source = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
     base_version = serializers.PrimaryKeyRelatedField(
         queryset=ModelVersion.objects.all(), required=False, allow_null=True, default=None

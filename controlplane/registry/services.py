@@ -1,11 +1,14 @@
+import json
 from collections.abc import Collection, Iterable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from contracts import engines
+from contracts.engines import EngineArgumentError, combination_problem, engine_args_validate
 from contracts.signing import SignatureError, load_public_key, verify_signature
 from controlplane.audit.services import Actor, acting_user, audit_event_record
 from controlplane.core.errors import Conflict, DomainError
@@ -13,6 +16,7 @@ from controlplane.registry import store
 from controlplane.registry.models import (
     DEPLOYABLE_STATUSES,
     Artifact,
+    ArtifactFormat,
     EvalSuite,
     Evaluation,
     Model,
@@ -56,28 +60,148 @@ def artifact_store(
         declared_digest=declared_digest,
         max_bytes=settings.ARTIFACT_MAX_BYTES if max_bytes is None else max_bytes,
     )
+    return _artifact_record(
+        actor=actor,
+        digest=stored.digest,
+        artifact_format=stored.format,
+        size_bytes=stored.size_bytes,
+    )
+
+
+def _artifact_record(
+    *,
+    actor: Actor,
+    digest: str,
+    artifact_format: str,
+    size_bytes: int,
+    manifest: list[dict[str, Any]] | None = None,
+) -> tuple[Artifact, bool]:
+    """The row of what the store now holds; (artifact, created). Audited when created."""
     with transaction.atomic():
         artifact, created = Artifact.objects.get_or_create(
-            digest=stored.digest,
+            digest=digest,
             defaults={
-                "format": stored.format,
-                "size_bytes": stored.size_bytes,
+                "format": artifact_format,
+                "size_bytes": size_bytes,
+                "manifest": manifest,
                 "created_by": acting_user(actor),
             },
         )
         if created:
+            after: dict[str, Any] = {"format": artifact_format, "size_bytes": size_bytes}
+            if manifest is not None:
+                after["files"] = len(manifest)
             audit_event_record(
                 actor=actor,
                 action="artifact.store",
                 object_type="artifact",
                 object_id=artifact.digest,
                 object_repr=f"sha256:{artifact.digest}",
-                after={"format": artifact.format, "size_bytes": artifact.size_bytes},
+                after=after,
             )
     return artifact, created
 
 
+def _folder_record(*, actor: Actor, stored: store.StoredFolder) -> tuple[Artifact, bool]:
+    return _artifact_record(
+        actor=actor,
+        digest=stored.digest,
+        artifact_format=ArtifactFormat.HF_SAFETENSORS,
+        size_bytes=stored.size_bytes,
+        manifest=[file.to_json() for file in stored.files],
+    )
+
+
+def artifact_store_archive(
+    *,
+    actor: Actor,
+    stream: IO[bytes],
+    declared_digest: str = "",
+    max_bytes: int | None = None,
+) -> tuple[Artifact, bool]:
+    """Store a folder sent as an uncompressed tar; (artifact, created).
+
+    Its digest is its manifest's, computed by the server; a declared one must match.
+    """
+    limit = settings.ARTIFACT_MAX_BYTES if max_bytes is None else max_bytes
+    expected = store.digest_parse(declared_digest) if declared_digest else None
+    stored = store.store_folder(members=store.tar_members(stream, max_bytes=limit), max_bytes=limit)
+    if expected is not None and stored.digest != expected:
+        raise store.ArtifactRefused(
+            "digest_mismatch",
+            f"The folder's manifest digest is {stored.digest}, not the declared {expected}.",
+            fields={"digest": [f"sha256:{expected}"]},
+        )
+    return _folder_record(actor=actor, stored=stored)
+
+
+def artifact_store_folder(
+    *, actor: Actor, path: Path, declared_digest: str | None = None
+) -> tuple[Artifact, bool]:
+    """Store a server-side model folder (admin command, demo seed); a stored one is not
+    copied again. A declared digest must be the folder's (its manifest's)."""
+    if not path.is_dir():
+        raise DomainError("not_a_folder", f"{path} is not a readable folder.")
+    digest = store.folder_manifest_digest(path)
+    if declared_digest and store.digest_parse(declared_digest) != digest:
+        raise store.ArtifactRefused(
+            "digest_mismatch",
+            f"The folder's manifest digest is {digest}, not the declared {declared_digest}.",
+            fields={"digest": [declared_digest]},
+        )
+    existing = Artifact.objects.filter(digest=digest).first()
+    if existing is not None and store.artifact_path(digest).is_file():
+        return existing, False
+    stored = store.store_folder(
+        members=store.folder_members(path), max_bytes=settings.ARTIFACT_MAX_BYTES
+    )
+    return _folder_record(actor=actor, stored=stored)
+
+
 # Versions.
+
+
+def _folder_config(artifact: Artifact) -> dict[str, Any]:
+    """A stored folder's config.json (present: the store checked it)."""
+    [config] = [file for file in artifact.manifest or [] if file["path"] == "config.json"]
+    try:
+        loaded = json.loads(store.artifact_path(config["sha256"]).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        loaded = None
+    if not isinstance(loaded, dict):
+        raise DomainError(
+            "engine_cannot_load", "The folder's config.json is not a readable JSON object."
+        )
+    return loaded
+
+
+def _combination_check(
+    *, engine: str, artifact: Artifact | None, task: str, serving_config: dict[str, Any]
+) -> None:
+    """Refuse an engine, artifact and task that cannot load together, with the reason."""
+    artifact_format = artifact.format if artifact is not None else engines.NO_ARTIFACT
+    problem = combination_problem(engine=engine, artifact_format=artifact_format, task=task)
+    if problem is not None:
+        code, reason = problem
+        raise DomainError(
+            code, f"This version cannot be served: {reason}.", fields={"engine": [engine]}
+        )
+    if serving_config["dtype"] == "int8" and engine not in engines.INT8_ENGINES:
+        raise DomainError(
+            "engine_dtype_mismatch",
+            f"{engine} does not store weights as int8; choose float32 or bfloat16.",
+            fields={"serving_config": {"dtype": ["int8"]}},
+        )
+    if engine == engines.BUILTIN and artifact is not None and artifact.is_folder:
+        model_type = _folder_config(artifact).get("model_type")
+        loadable = engines.BUILTIN_FOLDER_MODEL_TYPES[task]
+        if model_type not in loadable:
+            raise DomainError(
+                "engine_cannot_load",
+                f"The built-in engine serves {task} models of type "
+                f"{', '.join(sorted(loadable))} from a folder; config.json says {model_type!r}.",
+                fields={"engine": [engine]},
+            )
 
 
 @transaction.atomic
@@ -86,21 +210,34 @@ def version_register(
     actor: Actor,
     model: Model,
     label: str,
-    artifact_digest: str,
+    artifact_digest: str | None,
     serving_config: dict[str, Any],
+    engine: str = engines.BUILTIN,
+    engine_args: dict[str, Any] | None = None,
     source: str = "",
     base_version: ModelVersion | None = None,
     notes: str = "",
 ) -> ModelVersion:
-    digest = store.digest_parse(artifact_digest)
-    artifact = Artifact.objects.filter(digest=digest).first()
-    if artifact is None:
-        raise DomainError(
-            "unknown_artifact",
-            "No artifact with this digest is stored; upload it first.",
-            fields={"artifact_digest": [f"sha256:{digest}"]},
-        )
+    artifact = None
+    if artifact_digest:
+        digest = store.digest_parse(artifact_digest)
+        artifact = Artifact.objects.filter(digest=digest).first()
+        if artifact is None:
+            raise DomainError(
+                "unknown_artifact",
+                "No artifact with this digest is stored; upload it first.",
+                fields={"artifact_digest": [f"sha256:{digest}"]},
+            )
     config = serving_config_validate(serving_config)
+    try:
+        arguments = engine_args_validate(engine, engine_args)
+    except EngineArgumentError as exc:
+        raise DomainError(
+            "invalid_engine_args",
+            f"The {engine} engine arguments are not valid: {exc}",
+            fields={"engine_args": {name: [problem] for name, problem in exc.errors.items()}},
+        ) from exc
+    _combination_check(engine=engine, artifact=artifact, task=model.task, serving_config=config)
     if ModelVersion.objects.filter(model=model, label=label).exists():
         raise Conflict(
             "version_exists",
@@ -118,6 +255,8 @@ def version_register(
         label=label,
         artifact=artifact,
         serving_config=config,
+        engine=engine,
+        engine_args=arguments,
         source=source,
         base_version=base_version,
         notes=notes,
@@ -192,8 +331,10 @@ def version_verify(
         verify_signature(
             public_key_b64=key.public_key,
             signature_b64=signature,
-            digest=locked.artifact_id,
+            digest=locked.artifact_digest,
             serving_config=locked.serving_config,
+            engine=locked.engine,
+            engine_args=locked.engine_args,
         )
     except SignatureError as exc:
         raise DomainError("bad_signature", str(exc), fields={"signature": [str(exc)]}) from exc

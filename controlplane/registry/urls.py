@@ -14,10 +14,16 @@ router.register("evaluations", views.EvaluationViewSet, basename="evaluation")
 
 urlpatterns = [
     path("artifacts/", views.ArtifactViewSet.as_view({"get": "list"}), name="artifact-list"),
+    path("artifacts/folders/", views.ArtifactFolderUploadView.as_view(), name="artifact-folder"),
     re_path(
         r"^artifacts/(?P<digest>[0-9a-f]{64})$",
         views.ArtifactContentView.as_view(),
         name="artifact-content",
+    ),
+    re_path(
+        r"^artifacts/(?P<digest>[0-9a-f]{64})/files/(?P<file_digest>[0-9a-f]{64})$",
+        views.ArtifactFolderFileView.as_view(),
+        name="artifact-folder-file",
     ),
     *router.urls,
 ]

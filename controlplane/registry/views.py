@@ -1,5 +1,6 @@
 """Registry API: thin views that parse, fetch by id, call one service and serialize."""
 
+import io
 import re
 from typing import Any
 
@@ -199,7 +200,8 @@ class EvaluationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
 
 
 class ArtifactViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
-    """Artifact metadata. Upload with PUT and download with GET on /artifacts/<hex>."""
+    """Artifact metadata. A file: PUT and GET on /artifacts/<hex>; a folder: POST a tar to
+    /artifacts/folders/, GET its manifest on /artifacts/<hex> and its files under it."""
 
     permission_classes = [allows(access.can_view_registry)]
     serializer_class = ArtifactSerializer
@@ -256,13 +258,47 @@ def parse_range(header: str, size: int) -> tuple[int, int] | None:
     return start, end
 
 
-class ArtifactContentView(APIView):
-    """GET/HEAD downloads an artifact by digest (admins, agents); PUT uploads one."""
+def blob_response(request: Request, digest: str) -> Any:
+    """The stored blob `digest`, whole or the one range asked for."""
+    path = store.artifact_path(digest)
+    if not path.is_file():
+        raise NotFound("No artifact with this digest.")
+    size = path.stat().st_size
+    byte_range = parse_range(request.headers.get("Range", ""), size)
+    file = path.open("rb")
+    if byte_range is None:
+        response: Any = FileResponse(file, content_type="application/octet-stream")
+    else:
+        start, end = byte_range
+        response = StreamingHttpResponse(
+            store.read_chunks(file, start=start, length=end - start + 1),
+            status=status.HTTP_206_PARTIAL_CONTENT,
+            content_type="application/octet-stream",
+        )
+        response["Content-Range"] = f"bytes {start}-{end}/{size}"
+        response["Content-Length"] = str(end - start + 1)
+    response["Accept-Ranges"] = "bytes"
+    response["X-Artifact-Digest"] = f"sha256:{digest}"
+    response["ETag"] = f'"{digest}"'
+    return response
+
+
+BLOB_SCHEMA = extend_schema(
+    parameters=[
+        OpenApiParameter("Range", OpenApiTypes.STR, OpenApiParameter.HEADER, required=False)
+    ],
+    responses={
+        (200, "application/octet-stream"): OpenApiResponse(OpenApiTypes.BINARY),
+        (206, "application/octet-stream"): OpenApiResponse(OpenApiTypes.BINARY),
+        416: OpenApiResponse(description="Range not satisfiable"),
+    },
+)
+
+
+class BlobView(APIView):
+    """Bytes whatever the client accepts; a refused range names the size."""
 
     content_negotiation_class = IgnoreAcceptHeader
-    permission_classes = [
-        allows_by_method(read=access.can_download_artifact, write=access.can_manage_versions)
-    ]
 
     def handle_exception(self, exc: Exception) -> Response:
         response = super().handle_exception(exc)
@@ -270,39 +306,21 @@ class ArtifactContentView(APIView):
             response["Content-Range"] = f"bytes */{exc.size}"
         return response
 
-    @extend_schema(
-        parameters=[
-            OpenApiParameter("Range", OpenApiTypes.STR, OpenApiParameter.HEADER, required=False)
-        ],
-        responses={
-            (200, "application/octet-stream"): OpenApiResponse(OpenApiTypes.BINARY),
-            (206, "application/octet-stream"): OpenApiResponse(OpenApiTypes.BINARY),
-            416: OpenApiResponse(description="Range not satisfiable"),
-        },
-    )
+
+class ArtifactContentView(BlobView):
+    """GET/HEAD downloads an artifact by digest (admins, agents); PUT uploads one file."""
+
+    permission_classes = [
+        allows_by_method(read=access.can_download_artifact, write=access.can_manage_versions)
+    ]
+
+    @BLOB_SCHEMA
     def get(self, request: Request, digest: str) -> Any:
-        artifact = selectors.artifact_get(digest=digest)
-        path = store.artifact_path(digest)
-        if artifact is None or not path.is_file():
+        """A file's bytes, or a folder's manifest (canonical JSON, whose SHA-256 is the
+        digest); a folder's files are under /artifacts/<digest>/files/<file sha256>."""
+        if selectors.artifact_get(digest=digest) is None:
             raise NotFound("No artifact with this digest.")
-        size = artifact.size_bytes
-        byte_range = parse_range(request.headers.get("Range", ""), size)
-        file = path.open("rb")
-        if byte_range is None:
-            response: Any = FileResponse(file, content_type="application/octet-stream")
-        else:
-            start, end = byte_range
-            response = StreamingHttpResponse(
-                store.read_chunks(file, start=start, length=end - start + 1),
-                status=status.HTTP_206_PARTIAL_CONTENT,
-                content_type="application/octet-stream",
-            )
-            response["Content-Range"] = f"bytes {start}-{end}/{size}"
-            response["Content-Length"] = str(end - start + 1)
-        response["Accept-Ranges"] = "bytes"
-        response["X-Artifact-Digest"] = f"sha256:{digest}"
-        response["ETag"] = f'"{digest}"'
-        return response
+        return blob_response(request, digest)
 
     @extend_schema(
         request={"application/octet-stream": OpenApiTypes.BINARY},
@@ -313,16 +331,68 @@ class ArtifactContentView(APIView):
         # Refuse at once what declares itself too large; the stream is counted as well.
         declared_length = request.headers.get("Content-Length", "")
         if declared_length.isdigit() and int(declared_length) > settings.ARTIFACT_MAX_BYTES:
-            raise DomainError(
-                "artifact_too_large",
-                f"The artifact is larger than the limit of {settings.ARTIFACT_MAX_BYTES} bytes.",
-                status_code=status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
-            )
+            raise store.too_large_error("The artifact", settings.ARTIFACT_MAX_BYTES)
         stream = request.stream
         chunk_size = settings.ARTIFACT_CHUNK_BYTES
         chunks = iter(lambda: stream.read(chunk_size), b"") if stream is not None else iter(())
         artifact, created = services.artifact_store(
             actor=request.user, chunks=chunks, declared_digest=digest
+        )
+        return Response(
+            ArtifactSerializer(artifact).data,
+            status=status.HTTP_201_CREATED if created else status.HTTP_200_OK,
+        )
+
+
+class ArtifactFolderFileView(BlobView):
+    """GET/HEAD downloads one file of a folder artifact by the file's own digest."""
+
+    permission_classes = [allows(access.can_download_artifact)]
+
+    @BLOB_SCHEMA
+    def get(self, request: Request, digest: str, file_digest: str) -> Any:
+        artifact = selectors.artifact_get(digest=digest)
+        files = artifact.manifest if artifact is not None else None
+        if not files or not any(file["sha256"] == file_digest for file in files):
+            raise NotFound("No folder artifact with this digest holds a file with that one.")
+        return blob_response(request, file_digest)
+
+
+class ArtifactFolderUploadView(APIView):
+    """POST uploads a model folder as an uncompressed tar (Content-Type: application/x-tar)."""
+
+    permission_classes = [allows(access.can_manage_versions)]
+
+    @extend_schema(
+        request={"application/x-tar": OpenApiTypes.BINARY},
+        parameters=[
+            OpenApiParameter(
+                "X-Artifact-Digest",
+                OpenApiTypes.STR,
+                OpenApiParameter.HEADER,
+                required=False,
+                description="sha256:<hex> of the manifest the folder must have; refused if not.",
+            )
+        ],
+        responses={201: ArtifactSerializer, 200: ArtifactSerializer},
+    )
+    def post(self, request: Request) -> Response:
+        """Each file is stored by its digest, the folder by its manifest's (in the answer)."""
+        content_type = request.content_type.split(";")[0].strip().lower()
+        if content_type != "application/x-tar":
+            raise DomainError(
+                "unsupported_media_type",
+                "Send the folder as an uncompressed tar with Content-Type: application/x-tar.",
+                status_code=status.HTTP_415_UNSUPPORTED_MEDIA_TYPE,
+            )
+        declared_length = request.headers.get("Content-Length", "")
+        limit = store.archive_limit(settings.ARTIFACT_MAX_BYTES)
+        if declared_length.isdigit() and int(declared_length) > limit:
+            raise store.too_large_error("The archive", limit)
+        artifact, created = services.artifact_store_archive(
+            actor=request.user,
+            stream=request.stream or io.BytesIO(),
+            declared_digest=request.headers.get("X-Artifact-Digest", ""),
         )
         return Response(
             ArtifactSerializer(artifact).data,

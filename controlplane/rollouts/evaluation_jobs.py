@@ -152,7 +152,7 @@ def evaluation_measure(*, rollout_id: int, suite_id: int) -> Measured | None:
     with target.client() as client:
         if "perplexity" in names:
             tokenizer = evaluation.tokenizer_for(
-                str(store.artifact_path(rollout.candidate.artifact_id))
+                str(store.artifact_path(rollout.candidate.artifact_digest))
             )
             result = evaluation.perplexity(
                 client=client,

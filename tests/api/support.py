@@ -6,8 +6,10 @@ session (force_login) or a real Bearer token.
 
 import base64
 import hashlib
+import io
 import json
 import struct
+import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +59,46 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def tar_bytes(
+    files: dict[str, bytes],
+    *,
+    links: dict[str, str] | None = None,
+    folders: tuple[str, ...] = (),
+    hard_links: dict[str, str] | None = None,
+) -> bytes:
+    """An uncompressed tar holding `files` (path: bytes) under exactly the names given,
+    and symbolic or hard links (path: target) and folders when asked."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for name in folders:
+            info = tarfile.TarInfo(name)
+            info.type = tarfile.DIRTYPE
+            archive.addfile(info)
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mtime = 1_700_000_000.5  # a float: tarfile then writes a pax header
+            archive.addfile(info, io.BytesIO(data))
+        for kind, entries in ((tarfile.SYMTYPE, links), (tarfile.LNKTYPE, hard_links)):
+            for name, target in (entries or {}).items():
+                info = tarfile.TarInfo(name)
+                info.type = kind
+                info.linkname = target
+                archive.addfile(info)
+    return buffer.getvalue()
+
+
+def embedding_folder(**overrides: bytes) -> dict[str, bytes]:
+    """The files of a tiny sentence-embedding model folder (BERT config)."""
+    return {
+        "config.json": json.dumps({"model_type": "bert"}).encode(),
+        "model.safetensors": safetensors_bytes(),
+        "tokenizer.json": b"{}",
+        "1_Pooling/config.json": b"{}",
+        **overrides,
+    }
+
+
 @dataclass
 class Signer:
     key_id: str
@@ -69,8 +111,17 @@ class Signer:
         )
         return base64.b64encode(raw).decode()
 
-    def sign(self, digest: str, serving_config: dict[str, Any]) -> str:
-        message = signed_message(digest=digest, serving_config=serving_config)
+    def sign(
+        self,
+        digest: str,
+        serving_config: dict[str, Any],
+        *,
+        engine: str = "builtin",
+        engine_args: dict[str, Any] | None = None,
+    ) -> str:
+        message = signed_message(
+            digest=digest, serving_config=serving_config, engine=engine, engine_args=engine_args
+        )
         return base64.b64encode(self.private_key.sign(message)).decode()
 
 

@@ -3,6 +3,7 @@
 tenant) and leave no trace in the database.
 """
 
+import io
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,9 +12,17 @@ from django.contrib.auth import get_user_model
 
 from controlplane.accounts.models import AccessToken
 from controlplane.audit.models import AuditEvent
+from controlplane.registry import services as registry_services
 from controlplane.registry.models import EvalSuite, Model, ModelVersion, SigningKey
 from controlplane.tenants.models import ApiKey, Tenant
-from tests.api.support import PRINCIPALS, SERVING_CONFIG, gguf_bytes, sha256_hex
+from tests.api.support import (
+    PRINCIPALS,
+    SERVING_CONFIG,
+    embedding_folder,
+    gguf_bytes,
+    sha256_hex,
+    tar_bytes,
+)
 
 STAFF = {"admin", "release_manager", "on_call", "viewer"}
 EVERYONE = {*STAFF, "tenant_member", "agent", "no_role"}
@@ -85,6 +94,13 @@ CASES = [
     Case("list artifacts", "get", "/api/v1/artifacts/", STAFF),
     Case("download artifact", "get", "/api/v1/artifacts/{digest}", {"admin", "agent"}),
     Case("upload artifact", "put", "/api/v1/artifacts/{new_digest}", MANAGERS, "bytes", 201),
+    Case("upload folder", "post", "/api/v1/artifacts/folders/", MANAGERS, "tar", 201),
+    Case(
+        "download folder file",
+        "get",
+        "/api/v1/artifacts/{folder}/files/{folder_file}",
+        {"admin", "agent"},
+    ),
     Case("list signing keys", "get", "/api/v1/signing-keys/", STAFF),
     Case(
         "create signing key",
@@ -206,7 +222,14 @@ def world(users, tenants, signer, make_version) -> dict[str, Any]:
 
     version = make_version("v1")
     new_artifact = gguf_bytes(b"brand new")
+    files = embedding_folder()
+    folder, _ = registry_services.artifact_store_archive(
+        actor=None, stream=io.BytesIO(tar_bytes(files))
+    )
     return {
+        "folder": folder.digest,
+        "folder_file": sha256_hex(files["config.json"]),
+        "new_tar": tar_bytes(embedding_folder(**{"tokenizer.json": b'{"new": 1}'})),
         "model": version.model_id,
         "version": version.pk,
         "digest": version.artifact_id,
@@ -245,6 +268,8 @@ def send(client, case: Case, world: dict[str, Any]):
         return client.generic(
             "PUT", path, world["new_bytes"], content_type="application/octet-stream"
         )
+    if case.body == "tar":
+        return client.generic("POST", path, world["new_tar"], content_type="application/x-tar")
     body = case.body(world) if callable(case.body) else case.body
     return (
         getattr(client, case.method)(path, body, format="json")

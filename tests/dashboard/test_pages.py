@@ -316,3 +316,49 @@ def test_a_bad_agent_name_is_refused_with_a_message(world, client_for) -> None:
     response = client_for(Role.ADMIN).post("/fleet/enrolments/", {"agent_name": "Bad Name"})
     assert response.status_code == 302
     assert not AgentEnrolment.objects.exists()
+
+
+def test_version_pages_show_the_engine_its_arguments_and_a_folders_files(world, client_for) -> None:
+    from controlplane.registry.models import Artifact, Model, ModelVersion
+
+    model = Model.objects.create(name="minilm", task="embedding")
+    folder = Artifact.objects.create(
+        digest="f" * 64,
+        format="hf-safetensors",
+        size_bytes=90_000_000,
+        manifest=[
+            {"path": "config.json", "sha256": "a" * 64, "size": 612},
+            {"path": "model.safetensors", "sha256": "b" * 64, "size": 90_000_000 - 612},
+        ],
+    )
+    embedding = ModelVersion.objects.create(
+        model=model,
+        label="folder",
+        artifact=folder,
+        serving_config={"dtype": "float32"},
+        engine="vllm",
+        engine_args={"gpu_memory_percent": 50},
+    )
+    endpoint = ModelVersion.objects.create(
+        model=model,
+        label="hosted",
+        artifact=None,
+        serving_config={"dtype": "float32"},
+        engine="openai",
+        engine_args={"base_url": "https://models.example.com/v1", "upstream_model": "e5"},
+    )
+    client = client_for(Role.VIEWER)
+    page = client.get(f"/registry/versions/{embedding.pk}/").content.decode()
+    assert 'data-engine="vllm">vLLM<' in page
+    assert "in 2 files" in page
+    assert "<code>model.safetensors</code>" in page
+    assert "&quot;gpu_memory_percent&quot;: 50" in page
+    hosted = client.get(f"/registry/versions/{endpoint.pk}/").content.decode()
+    assert 'data-engine="openai">OpenAI-compatible endpoint<' in hosted
+    assert "none: served by the endpoint in its engine arguments" in hosted
+    registry = client.get("/registry/").content.decode()
+    assert "hf-safetensors · float32 · vLLM" in registry
+    assert "endpoint · float32 · OpenAI-compatible endpoint" in registry
+    compare = client.get(f"/registry/compare/?a={embedding.pk}&b={endpoint.pk}")
+    assert compare.status_code == 200
+    assert "engine: base_url" in compare.content.decode()

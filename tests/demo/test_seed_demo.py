@@ -57,9 +57,17 @@ def test_seed_demo_twice(tmp_path, capsys, redis_client) -> None:
             ("q4_1-fp32", "float32", "verified"),
         ]
         assert smol[0].artifact_id == smol[1].artifact_id
-        assert smol[0].artifact.format == "gguf"
+        assert smol[0].artifact is not None and smol[0].artifact.format == "gguf"
         minilm = ModelVersion.objects.get(model__name="all-MiniLM-L6-v2")
-        assert minilm.artifact.format == "safetensors"
+        assert minilm.artifact is not None and minilm.artifact.manifest is not None
+        assert (minilm.artifact.format, minilm.engine, minilm.status) == (
+            "hf-safetensors",
+            "builtin",
+            "verified",
+        )
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
+            file["path"] for file in minilm.artifact.manifest
+        }
         assert SigningKey.objects.get().is_trusted
 
         credentials = json.loads((demo_dir / "credentials.json").read_text())

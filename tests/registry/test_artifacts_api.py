@@ -13,6 +13,7 @@ from controlplane.registry.models import Artifact
 from tests.api.support import (
     assert_error,
     audit_count,
+    embedding_folder,
     gguf_bytes,
     safetensors_bytes,
     sha256_hex,
@@ -225,6 +226,23 @@ def test_register_artifact_command_checks_what_it_stores(artifact_root, tmp_path
     with pytest.raises(CommandError, match="unsafe_format"):
         call_command("register_artifact", str(pickled))
     assert Artifact.objects.count() == 1
+
+    folder = tmp_path / "minilm"
+    for name, content in embedding_folder().items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(content)
+    with pytest.raises(CommandError, match="digest_mismatch"):
+        call_command("register_artifact", str(folder), "--digest", f"sha256:{digest}")
+    assert Artifact.objects.count() == 1
+    (folder / "run.py").write_text("import os")
+    with pytest.raises(CommandError, match="file_type_not_allowed"):
+        call_command("register_artifact", str(folder))
+    (folder / "run.py").unlink()
+    call_command("register_artifact", str(folder))
+    stored = Artifact.objects.get(format="hf-safetensors")
+    assert [file["path"] for file in stored.manifest or []] == sorted(embedding_folder())
+    call_command("register_artifact", str(folder), "--digest", f"sha256:{stored.digest}")
+    assert Artifact.objects.count() == 2
 
 
 def test_head_gives_the_headers_without_the_body(client_for, artifact_root) -> None:

