@@ -24,6 +24,7 @@ import redis
 from django.conf import settings
 from prometheus_client import Counter
 
+from contracts import tracing
 from contracts.openai_request import CHECKS, RequestFieldError
 from contracts.routing import (
     Affinity,
@@ -31,6 +32,7 @@ from contracts.routing import (
     RoutingTable,
 )
 from controlplane.core.redis_clients import async_pubsub_client, async_redis_client, redis_client
+from controlplane.gateway import spans
 from controlplane.gateway.auth_throttle import AuthFailures
 from controlplane.gateway.caches import KeyCache, RoutingCache, choose_version
 from controlplane.gateway.http_io import (
@@ -174,12 +176,21 @@ class Gateway:
             return
         if not self.is_started:
             await self.start()
+        if tracing.is_enabled():
+            with spans.request_span(scope):
+                await self._respond(scope, receive, send)
+        else:
+            await self._respond(scope, receive, send)
+
+    async def _respond(self, scope, receive, send) -> None:
         try:
             await self._handle(scope, receive, send)
         except ClientGone:
             REQUESTS_TOTAL.labels(str(CLIENT_CLOSED)).inc()
         except GatewayRequestError as exc:
             REQUESTS_TOTAL.labels(str(exc.status)).inc()
+            if tracing.is_enabled():
+                spans.refused(exc.status, exc.code)
             await send_json(
                 send,
                 exc.status,
@@ -252,6 +263,18 @@ class Gateway:
         await self._proxy(scope, receive, send, grant, table, kind, path, body, raw, session_id)
 
     async def _authenticate(self, authorization: bytes, address: str) -> KeyGrant:
+        if not tracing.is_enabled():
+            return await self._key_grant(authorization, address)
+        with spans.auth_span() as span:
+            try:
+                grant = await self._key_grant(authorization, address)
+            except GatewayRequestError as exc:
+                span.set_attribute("error.type", exc.code)
+                raise
+            span.set_attribute("fleet.tenant.id", grant.tenant_id)
+            return grant
+
+    async def _key_grant(self, authorization: bytes, address: str) -> KeyGrant:
         scheme, _, token = authorization.decode("latin-1").partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
@@ -309,6 +332,21 @@ class Gateway:
         self, grant: KeyGrant, reservation: int, *, is_urgent: bool
     ) -> Admission | None:
         """The request's admission; GatewayRequestError(429) when a limit refuses it."""
+        if not tracing.is_enabled():
+            return await self._admit_checked(grant, reservation, is_urgent=is_urgent)
+        with spans.rate_limit_span(is_early=not is_urgent) as span:
+            try:
+                admission = await self._admit_checked(grant, reservation, is_urgent=is_urgent)
+            except GatewayRequestError as exc:
+                span.set_attribute("fleet.admission.is_allowed", False)
+                span.set_attribute("error.type", exc.code)
+                raise
+            spans.rate_limit_result(span, admission)
+            return admission
+
+    async def _admit_checked(
+        self, grant: KeyGrant, reservation: int, *, is_urgent: bool
+    ) -> Admission | None:
         try:
             admission = await self.batcher.admit(
                 tenant_id=grant.tenant_id,
@@ -362,7 +400,11 @@ class Gateway:
             affinity_value = str(grant.tenant_id)
         elif table.affinity is Affinity.SESSION:
             affinity_value = session_id
+        is_tracing = tracing.is_enabled()
+        route_started_ns = time.time_ns() if is_tracing else 0
         version = choose_version(table, affinity_value, grant.tenant_slug)
+        if is_tracing:
+            spans.route_chosen(route_started_ns, table, version, grant.tenant_slug)
         if version is None:
             raise GatewayRequestError(
                 503,
@@ -445,6 +487,8 @@ class Gateway:
                 outcome=outcome,
                 text=text,
             )
+            if is_tracing:
+                spans.request_finished(record, outcome.meter, started_wall, started)
             if admit.done():
                 self._finish(admit, record, reservation)
             else:  # the client left before the admission came back

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
+from contracts import tracing
 from contracts.routing import VersionRoute
+from controlplane.gateway import spans
 from controlplane.gateway.caches import choose_endpoint
 from controlplane.gateway.http_io import error_body, send_json
 from controlplane.gateway.outcome import Outcome
@@ -81,9 +83,15 @@ class Relay:
             tried.append(endpoint)
             outcome.attempts += 1
             self.outstanding[endpoint] += 1
+            sent = engine_headers(version, endpoint, headers)
             try:
-                response = await self.upstream.post(
-                    endpoint, request.path, request.body, engine_headers(version, endpoint, headers)
+                response = await (
+                    # a span of its own, whose `traceparent` the engine gets
+                    spans.upstream_post(
+                        self.upstream, endpoint, request.path, request.body, sent, outcome.attempts
+                    )
+                    if tracing.is_enabled()
+                    else self.upstream.post(endpoint, request.path, request.body, sent)
                 )
             except UpstreamConnectError as exc:
                 self.outstanding[endpoint] -= 1
