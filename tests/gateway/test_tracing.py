@@ -3,16 +3,21 @@
 The real gateway app and a real engine (the tiny random Llama) are served by uvicorn on
 threads of the test process, so the SDK's in-memory exporter sees the spans of both; the
 request goes over TCP from the OpenAI client to the gateway and from the gateway to the
-engine, the trace context in the engine request's `traceparent` header.
+engine, the trace context in the engine request's `traceparent` header. Last, a gateway
+process configured by OTEL_EXPORTER_OTLP_ENDPOINT exports its spans to a collector.
 """
 
 from __future__ import annotations
 
+import http.server
+import threading
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 from django.test import override_settings
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -20,8 +25,9 @@ from controlplane.gateway.app import Gateway
 from controlplane.rollouts.routing import routing_table_publish
 from engine.config import EngineConfig, EngineSecrets
 from engine.server import EngineApp
+from tests.conftest import wait_until
 from tests.engine.conftest import build_tiny_llama
-from tests.gateway.conftest import Setup, make_setup
+from tests.gateway.conftest import Setup, make_setup, start_gateway, stop_gateway
 from tests.tracing_support import (
     in_memory_tracing,
     one_span,
@@ -231,3 +237,64 @@ def test_a_refused_key_is_traced_as_the_clients_error(gateway, spans) -> None:
         "invalid_api_key",
     )
     assert not [s for s in spans.get_finished_spans() if s.name.startswith("engine.")]
+
+
+class Collector(http.server.BaseHTTPRequestHandler):
+    """An OTLP/HTTP trace receiver: keeps each export request it is sent."""
+
+    received: list[ExportTraceServiceRequest] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["content-length"]))
+        if self.path == "/v1/traces":
+            self.received.append(ExportTraceServiceRequest.FromString(body))
+        self.send_response(200 if self.path == "/v1/traces" else 404)
+        self.send_header("content-type", "application/x-protobuf")
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def exported(received: list[ExportTraceServiceRequest]) -> dict[str, set[str]]:
+    """service name -> the names of the spans it exported."""
+    found: dict[str, set[str]] = {}
+    for request in received:
+        for resource_spans in request.resource_spans:
+            service = next(
+                attribute.value.string_value
+                for attribute in resource_spans.resource.attributes
+                if attribute.key == "service.name"
+            )
+            for scope_spans in resource_spans.scope_spans:
+                found.setdefault(service, set()).update(span.name for span in scope_spans.spans)
+    return found
+
+
+def test_a_configured_gateway_process_exports_its_spans_over_otlp(
+    transactional_db, tmp_path
+) -> None:
+    collector = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    Collector.received = []
+    thread = threading.Thread(target=collector.serve_forever, daemon=True)
+    thread.start()
+    gateway_process = start_gateway(
+        tmp_path,
+        tmp_path / "spool",
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{collector.server_address[1]}",
+        OTEL_BSP_SCHEDULE_DELAY="50",  # milliseconds between the exporter's batches
+    )
+    try:
+        answer = httpx.post(f"{gateway_process.url}/v1/chat/completions", json={}, timeout=10)
+        assert answer.status_code == 401
+        wait_until(
+            lambda: "gateway.request" in exported(Collector.received).get("web", set()),
+            timeout=30,
+            message=lambda: f"exported: {exported(Collector.received)}",
+        )
+    finally:
+        stop_gateway(gateway_process)
+        collector.shutdown()
+        collector.server_close()
+    assert exported(Collector.received) == {"web": {"gateway.request", "gateway.admission.auth"}}
