@@ -5,7 +5,8 @@ The agent is the version's least busy ready one; a refusal (connection refused, 
 its engine) is retried once on another. Each request presents the endpoint's serving
 secret (`Authorization: Bearer`); an engine's 401 never reaches the client. Responses
 stream through as they arrive; a stream's tokens are metered on the way
-(metering.StreamMeter).
+(metering.StreamMeter). With tracing on, each attempt is a span whose `traceparent` the
+engine gets (spans.py).
 """
 
 import asyncio
