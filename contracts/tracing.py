@@ -87,6 +87,8 @@ def tracing_configure(role: str, environ: Mapping[str, str] | None = None) -> bo
     exporters = exporters_from(environ)
     if not exporters:
         return False
+    if _provider is not None:
+        return True  # set up already (a second entry point in the same process)
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import (

@@ -73,7 +73,11 @@ def _end(task_id: str = "", state: str | None = None, **_: Any) -> None:
 
 
 def _configure_worker(**_: Any) -> None:
-    tracing.tracing_configure("worker")
+    try:
+        tracing.tracing_configure("worker")
+    except tracing.TracingConfigError as exc:
+        # Celery logs a handler's Exception and goes on; the worker must not start.
+        raise SystemExit(f"worker: {exc}") from exc
 
 
 def task_tracing_connect() -> None:

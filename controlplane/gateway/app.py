@@ -225,7 +225,8 @@ class Gateway:
                 session_id = value.decode("latin-1")
         if path == "/v1/models" or path in ROUTES:
             client = scope.get("client")
-            grant = await self._authenticate(authorization, client[0] if client else "")
+            authenticate = self._authenticate_traced if tracing.is_enabled() else self._authenticate
+            grant = await authenticate(authorization, client[0] if client else "")
         else:
             raise GatewayRequestError(404, "not_found", f"No route for {path}.")
         if path == "/v1/models":
@@ -262,19 +263,17 @@ class Gateway:
         table = self.routing.tables[deployment]
         await self._proxy(scope, receive, send, grant, table, kind, path, body, raw, session_id)
 
-    async def _authenticate(self, authorization: bytes, address: str) -> KeyGrant:
-        if not tracing.is_enabled():
-            return await self._key_grant(authorization, address)
+    async def _authenticate_traced(self, authorization: bytes, address: str) -> KeyGrant:
         with spans.auth_span() as span:
             try:
-                grant = await self._key_grant(authorization, address)
+                grant = await self._authenticate(authorization, address)
             except GatewayRequestError as exc:
                 span.set_attribute("error.type", exc.code)
                 raise
             span.set_attribute("fleet.tenant.id", grant.tenant_id)
             return grant
 
-    async def _key_grant(self, authorization: bytes, address: str) -> KeyGrant:
+    async def _authenticate(self, authorization: bytes, address: str) -> KeyGrant:
         scheme, _, token = authorization.decode("latin-1").partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
@@ -328,15 +327,12 @@ class Gateway:
 
     # Proxying.
 
-    async def _admit(
+    async def _admit_traced(
         self, grant: KeyGrant, reservation: int, *, is_urgent: bool
     ) -> Admission | None:
-        """The request's admission; GatewayRequestError(429) when a limit refuses it."""
-        if not tracing.is_enabled():
-            return await self._admit_checked(grant, reservation, is_urgent=is_urgent)
         with spans.rate_limit_span(is_early=not is_urgent) as span:
             try:
-                admission = await self._admit_checked(grant, reservation, is_urgent=is_urgent)
+                admission = await self._admit(grant, reservation, is_urgent=is_urgent)
             except GatewayRequestError as exc:
                 span.set_attribute("fleet.admission.is_allowed", False)
                 span.set_attribute("error.type", exc.code)
@@ -344,9 +340,10 @@ class Gateway:
             spans.rate_limit_result(span, admission)
             return admission
 
-    async def _admit_checked(
+    async def _admit(
         self, grant: KeyGrant, reservation: int, *, is_urgent: bool
     ) -> Admission | None:
+        """The request's admission; GatewayRequestError(429) when a limit refuses it."""
         try:
             admission = await self.batcher.admit(
                 tenant_id=grant.tenant_id,
@@ -435,7 +432,8 @@ class Gateway:
         # responses, the admission comes first, so refused requests never reach an agent.
         # An early admission rides with other requests' Redis commands (recorder.py).
         is_early = is_stream and self.headroom.is_plenty(grant.tenant_id, time.monotonic())
-        admit = asyncio.ensure_future(self._admit(grant, reservation, is_urgent=not is_early))
+        admit_for = self._admit_traced if is_tracing else self._admit
+        admit = asyncio.ensure_future(admit_for(grant, reservation, is_urgent=not is_early))
         if not is_early:
             await admit
 
