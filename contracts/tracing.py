@@ -70,7 +70,7 @@ def exporters_from(environ: Mapping[str, str]) -> tuple[str, ...]:
     unknown = [name for name in names if name not in EXPORTERS]
     if unknown:
         raise TracingConfigError(
-            f"OTEL_TRACES_EXPORTER: {', '.join(unknown)!s} is not one of "
+            f"OTEL_TRACES_EXPORTER: {', '.join(unknown)} is not one of "
             f"{', '.join(EXPORTERS)} or none"
         )
     return names
@@ -128,7 +128,8 @@ def tracing_install(provider: TracerProvider | None) -> None:
 
 
 def is_enabled() -> bool:
-    """Whether spans are recorded: the request paths skip all tracing work when not."""
+    """Whether tracing is set up (a sampler may still drop a trace): the request paths
+    skip all tracing work when not."""
     return _provider is not None
 
 
