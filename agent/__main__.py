@@ -13,6 +13,7 @@ from typing import Any
 
 from agent.config import ENERGY_SOURCE_CHOICES, AgentConfig, parse_engine_command
 from agent.credentials import CredentialsError, credentials_obtain
+from contracts.tracing import tracing_configure
 
 
 class PlainFormatter(logging.Formatter):
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     state_dir = Path(options.state_dir or Path(".demo") / "agents" / options.name)
     try:
+        tracing_configure("agent")  # its engine reads the same OTEL_* variables
         pinned = _pinned_keys(options.trusted_key)
         credentials = credentials_obtain(
             state_dir=state_dir,

@@ -13,7 +13,8 @@ Routing (written by the rollouts reconciler, today by
   seconds, so a lost message only delays a change. Each version's `endpoint_secrets`
   maps its endpoints to the serving secret the gateway presents to that engine
   (`Authorization: Bearer`); an endpoint without one is sent no credentials, which the
-  engine refuses. The engines' admin secrets are never in a table.
+  engine refuses. The engines' admin secrets are never in a table. Each version's `role`
+  says whether it is the deployment's stable version or its canary (traces name it).
 
 Requests (written by the gateway after every routed request, read by ingest):
 
@@ -61,6 +62,8 @@ DEPLOYMENT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,99}$")
 REQUEST_ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")
 ENDPOINT_PATTERN = re.compile(r"^https?://[^\s/]+(:\d+)?/?$")
 TENANT_SLUG_PATTERN = re.compile(r"^[-a-zA-Z0-9_]{1,50}$")
+# What a version is to its deployment: "" where the publisher did not say (older tables).
+VERSION_ROLES = ("stable", "canary", "")
 
 
 class RoutingContractError(ValueError):
@@ -94,6 +97,7 @@ class VersionRoute:
     max_model_len: int = 0
     # endpoint -> the serving secret of the engine behind it (64 hex characters)
     endpoint_secrets: Mapping[str, str] = field(default_factory=dict, repr=False, hash=False)
+    role: str = ""  # one of VERSION_ROLES: the deployment's stable version, or its canary
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -103,6 +107,7 @@ class VersionRoute:
             "endpoints": list(self.endpoints),
             "max_model_len": self.max_model_len,
             "endpoint_secrets": dict(sorted(self.endpoint_secrets.items())),
+            "role": self.role,
         }
 
 
@@ -194,6 +199,8 @@ def routing_table_build(
             raise RoutingContractError(f"{where}.max_model_len: must be an integer")
         if not 0 <= version.max_model_len <= MAX_INTEGER:
             raise RoutingContractError(f"{where}.max_model_len: must be within 0..{MAX_INTEGER}")
+        if version.role not in VERSION_ROLES:
+            raise RoutingContractError(f"{where}.role: must be stable, canary or empty")
         for endpoint in version.endpoints:
             if not isinstance(endpoint, str) or not ENDPOINT_PATTERN.fullmatch(endpoint):
                 raise RoutingContractError(f"{where}.endpoints: {endpoint!r} is not an http(s) URL")
@@ -242,6 +249,7 @@ def routing_table_build(
                     endpoint.rstrip("/"): secret
                     for endpoint, secret in version.endpoint_secrets.items()
                 },
+                role=version.role,
             )
             for version in versions
         ),
@@ -279,6 +287,7 @@ def parse_routing_table(raw: str | bytes) -> RoutingTable:
                 endpoint_secrets=(
                     _field(item, "endpoint_secrets", dict) if "endpoint_secrets" in item else {}
                 ),
+                role=_field(item, "role", str) if "role" in item else "",  # absent before it
             )
         )
     raw_tenant_weights = data.get("tenant_weights", {})  # absent in tables before it existed

@@ -18,6 +18,7 @@ from types import FrameType
 import torch
 import uvicorn
 
+from contracts.tracing import tracing_configure
 from engine.config import (
     ADMIN_SECRET_VARIABLE,
     AGENT_NAME_VARIABLE,
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not 0 < args.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {args.port}")
+        tracing_configure("engine")
         secrets = EngineSecrets.from_environment(os.environ)
         if args.device and args.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {args.device!r}")

@@ -35,6 +35,7 @@ from contracts.openai_request import (
     check_completion_request,
     check_embedding_request,
 )
+from engine import spans
 from engine.config import EngineConfig, EngineSecrets
 from engine.embedder import EmbeddingService
 from engine.llm_engine import EngineFailedError, LLMEngine, QueueFullError, RequestOutput
@@ -474,13 +475,16 @@ class EngineApp:
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         request_id = uuid.uuid4().hex
         try:
-            engine.add_request(prompt_ids, params, request_id, lambda out: _put(loop, queue, out))
+            sequence = engine.add_request(
+                prompt_ids, params, request_id, lambda out: _put(loop, queue, out)
+            )
         except EngineFailedError as error:
             raise ApiError(503, str(error), type="service_unavailable",
                            code="engine_failed") from None  # fmt: skip
         except QueueFullError as error:
             raise ApiError(429, str(error), type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None  # fmt: skip
+        spans.sequence_added(sequence)
         watcher = loop.create_task(request.watch_disconnect(lambda: engine.abort(request_id)))
         finished = False
         try:
@@ -716,10 +720,12 @@ class EngineApp:
         await request.send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def chat_completions(self, request: HttpRequest) -> None:
-        await self._handle(request, chat=True)
+        with spans.request_span(request.scope["headers"], "chat"):
+            await self._handle(request, chat=True)
 
     async def completions(self, request: HttpRequest) -> None:
-        await self._handle(request, chat=False)
+        with spans.request_span(request.scope["headers"], "completions"):
+            await self._handle(request, chat=False)
 
     # ---- embeddings ----------------------------------------------------------------
     async def create_embeddings(self, request: HttpRequest) -> None:

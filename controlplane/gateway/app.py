@@ -24,6 +24,7 @@ import redis
 from django.conf import settings
 from prometheus_client import Counter
 
+from contracts import tracing
 from contracts.openai_request import CHECKS, RequestFieldError
 from contracts.routing import (
     Affinity,
@@ -31,6 +32,7 @@ from contracts.routing import (
     RoutingTable,
 )
 from controlplane.core.redis_clients import async_pubsub_client, async_redis_client, redis_client
+from controlplane.gateway import spans
 from controlplane.gateway.auth_throttle import AuthFailures
 from controlplane.gateway.caches import KeyCache, RoutingCache, choose_version
 from controlplane.gateway.http_io import (
@@ -181,6 +183,13 @@ class Gateway:
         if not self.is_started:
             await self.start()
         labels = RequestLabels(time.perf_counter())
+        if tracing.is_enabled():
+            with spans.request_span(scope):
+                await self._respond(scope, receive, send, labels)
+        else:
+            await self._respond(scope, receive, send, labels)
+
+    async def _respond(self, scope, receive, send, labels: RequestLabels) -> None:
         try:
             await self._handle(scope, receive, send, labels)
         except ClientGone:
@@ -199,6 +208,8 @@ class Gateway:
                 code=exc.code,
                 seconds=time.perf_counter() - labels.started,
             )
+            if tracing.is_enabled():
+                spans.refused(exc.status, exc.code)
             await send_json(
                 send,
                 exc.status,
@@ -233,7 +244,8 @@ class Gateway:
                 session_id = value.decode("latin-1")
         if path == "/v1/models" or path in ROUTES:
             client = scope.get("client")
-            grant = await self._authenticate(authorization, client[0] if client else "")
+            authenticate = self._authenticate_traced if tracing.is_enabled() else self._authenticate
+            grant = await authenticate(authorization, client[0] if client else "")
         else:
             raise GatewayRequestError(404, "not_found", f"No route for {path}.")
         if path == "/v1/models":
@@ -272,6 +284,16 @@ class Gateway:
         await self._proxy(
             scope, receive, send, grant, table, kind, path, body, raw, session_id, labels
         )
+
+    async def _authenticate_traced(self, authorization: bytes, address: str) -> KeyGrant:
+        with spans.auth_span() as span:
+            try:
+                grant = await self._authenticate(authorization, address)
+            except GatewayRequestError as exc:
+                span.set_attribute("error.type", exc.code)
+                raise
+            span.set_attribute("fleet.tenant.id", grant.tenant_id)
+            return grant
 
     async def _authenticate(self, authorization: bytes, address: str) -> KeyGrant:
         scheme, _, token = authorization.decode("latin-1").partition(" ")
@@ -326,6 +348,19 @@ class Gateway:
         await send_json(send, 200, body)
 
     # Proxying.
+
+    async def _admit_traced(
+        self, grant: KeyGrant, reservation: int, *, is_urgent: bool
+    ) -> Admission | None:
+        with spans.rate_limit_span(is_early=not is_urgent) as span:
+            try:
+                admission = await self._admit(grant, reservation, is_urgent=is_urgent)
+            except GatewayRequestError as exc:
+                span.set_attribute("fleet.admission.is_allowed", False)
+                span.set_attribute("error.type", exc.code)
+                raise
+            spans.rate_limit_result(span, admission)
+            return admission
 
     async def _admit(
         self, grant: KeyGrant, reservation: int, *, is_urgent: bool
@@ -386,7 +421,11 @@ class Gateway:
             affinity_value = str(grant.tenant_id)
         elif table.affinity is Affinity.SESSION:
             affinity_value = session_id
+        is_tracing = tracing.is_enabled()
+        route_started_ns = time.time_ns() if is_tracing else 0
         version = choose_version(table, affinity_value, grant.tenant_slug)
+        if is_tracing:
+            spans.route_chosen(route_started_ns, table, version, grant.tenant_slug)
         if version is None:
             raise GatewayRequestError(
                 503,
@@ -419,7 +458,8 @@ class Gateway:
         # responses, the admission comes first, so refused requests never reach an agent.
         # An early admission rides with other requests' Redis commands (recorder.py).
         is_early = is_stream and self.headroom.is_plenty(grant.tenant_id, time.monotonic())
-        admit = asyncio.ensure_future(self._admit(grant, reservation, is_urgent=not is_early))
+        admit_for = self._admit_traced if is_tracing else self._admit
+        admit = asyncio.ensure_future(admit_for(grant, reservation, is_urgent=not is_early))
         if not is_early:
             await admit
 
@@ -473,6 +513,8 @@ class Gateway:
             )
             gaps = outcome.meter.gaps if outcome.meter is not None else ()
             is_tokens = kind != "embeddings"
+            if is_tracing:
+                spans.request_finished(record, outcome.meter, started_wall, started)
             if admit.done():
                 self._finish(admit, record, reservation, labels, gaps, is_tokens)
             else:  # the client left before the admission came back

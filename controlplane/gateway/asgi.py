@@ -14,7 +14,9 @@ import django
 
 django.setup()
 
+from contracts.tracing import tracing_configure  # noqa: E402
 from controlplane.gateway.app import Gateway  # noqa: E402
 from controlplane.gateway.probes import with_probes  # noqa: E402
 
+tracing_configure("gateway")
 application = with_probes(Gateway())

@@ -5,7 +5,8 @@ The agent is the version's least busy ready one; a refusal (connection refused, 
 its engine) is retried once on another. Each request presents the endpoint's serving
 secret (`Authorization: Bearer`); an engine's 401 never reaches the client. Responses
 stream through as they arrive; a stream's tokens are metered on the way
-(metering.StreamMeter).
+(metering.StreamMeter). With tracing on, each attempt is a span whose `traceparent` the
+engine gets (spans.py).
 """
 
 import asyncio
@@ -16,7 +17,9 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
+from contracts import tracing
 from contracts.routing import VersionRoute
+from controlplane.gateway import spans
 from controlplane.gateway.caches import choose_endpoint
 from controlplane.gateway.http_io import error_body, send_json
 from controlplane.gateway.outcome import Outcome
@@ -81,9 +84,15 @@ class Relay:
             tried.append(endpoint)
             outcome.attempts += 1
             self.outstanding[endpoint] += 1
+            sent = engine_headers(version, endpoint, headers)
             try:
-                response = await self.upstream.post(
-                    endpoint, request.path, request.body, engine_headers(version, endpoint, headers)
+                response = await (
+                    # a span of its own, whose `traceparent` the engine gets
+                    spans.upstream_post(
+                        self.upstream, endpoint, request.path, request.body, sent, outcome.attempts
+                    )
+                    if tracing.is_enabled()
+                    else self.upstream.post(endpoint, request.path, request.body, sent)
                 )
             except UpstreamConnectError as exc:
                 self.outstanding[endpoint] -= 1

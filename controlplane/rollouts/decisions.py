@@ -15,6 +15,7 @@ from datetime import datetime, timedelta
 
 from django.db import transaction
 
+from contracts import tracing
 from controlplane.audit.models import AuditEvent
 from controlplane.core.errors import Conflict
 from controlplane.registry.models import ModelVersion, VersionStatus
@@ -32,6 +33,7 @@ TRANSITION_OF = {
 }
 
 
+@tracing.traced(__name__, "rollouts.analysis")
 @transaction.atomic
 def rollout_analyze(*, rollout_id: int, window_end: datetime) -> AnalysisRun | None:
     """One analysis tick for a running rollout: record the run, then act on its verdict.
@@ -39,6 +41,7 @@ def rollout_analyze(*, rollout_id: int, window_end: datetime) -> AnalysisRun | N
     Idempotent per (rollout, attempt, window_end): a tick delivered twice finds its run
     and changes nothing. Not running (paused, finished): nothing is recorded.
     """
+    tracing.span_attributes_set(rollout_id=rollout_id, window_end=window_end.isoformat())
     rollout = transitions.lock(rollout_id)
     stage = rollout.current_stage
     if rollout.state != RolloutState.RUNNING or rollout.stage_started_at is None or stage is None:
@@ -99,6 +102,13 @@ def rollout_analyze(*, rollout_id: int, window_end: datetime) -> AnalysisRun | N
         action=action.value,
     )
     summary = f"analysis {run.pk}: {result.verdict.value}: {'; '.join(result.reasons)}"
+    tracing.span_attributes_set(
+        analysis_run_id=run.pk,
+        stage_index=run.stage_index,
+        verdict=run.verdict,
+        action=run.action,
+        reasons=summary[:500],
+    )
     extra = {"analysis_run_id": run.pk, "verdict": result.verdict.value}
     name = TRANSITION_OF.get(action)
     if name is None:  # wait: nothing changes but the charts

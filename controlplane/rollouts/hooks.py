@@ -14,6 +14,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from contracts import tracing
 from controlplane.celery import app
 from controlplane.core.events import ROLLOUTS_LIVE_GROUP, publish_event_after_commit
 from controlplane.rollouts.models import Rollout, WebhookDelivery, WebhookEndpoint
@@ -25,7 +26,9 @@ WEBHOOK_DELIVER_TASK = "rollouts.webhook_deliver"
 
 
 def _send_on_commit(task_name: str, *args: Any) -> None:
-    transaction.on_commit(lambda: app.send_task(task_name, args=args))
+    # The task's trace parent is the change that sent it, not what is current at commit.
+    headers = tracing.carrier_from_context() if tracing.is_enabled() else None
+    transaction.on_commit(lambda: app.send_task(task_name, args=args, headers=headers))
 
 
 def reconcile_after_commit(deployment_id: int) -> None:

@@ -23,6 +23,7 @@ import redis
 from django.conf import settings
 from django.utils import timezone
 
+from contracts import tracing
 from contracts.routing import (
     VersionRoute,
 )
@@ -70,9 +71,24 @@ def _is_serving(agent: Agent, version_id: int | None, fresh_after: Any) -> bool:
     )
 
 
+@tracing.traced(__name__, "rollouts.reconcile")
 def reconcile_deployment(
     *, deployment_id: int, client: redis.Redis | None = None
 ) -> ReconcileReport:
+    report = _reconcile_locked(deployment_id, client)
+    tracing.span_attributes_set(
+        deployment=report.deployment,
+        routing_revision=report.revision,
+        weights=",".join(f"{version}:{weight}" for version, weight in report.weights.items()),
+        loads=len(report.loads),
+        drains=len(report.drains),
+        rolled_back=report.rolled_back,
+        skipped=report.skipped or None,
+    )
+    return report
+
+
+def _reconcile_locked(deployment_id: int, client: redis.Redis | None) -> ReconcileReport:
     own_client = client is None
     client = client or redis_client(decode_responses=True)
     try:
@@ -188,6 +204,7 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
                 endpoints=tuple(stable_endpoints),
                 max_model_len=context_lengths.get(stable_id, 0),
                 endpoint_secrets=endpoint_secrets(stable_id),
+                role="stable",
             )
         )
     if canary_id is not None and effective > 0:
@@ -199,6 +216,7 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
                 endpoints=tuple(canary_endpoints),
                 max_model_len=context_lengths.get(canary_id, 0),
                 endpoint_secrets=endpoint_secrets(canary_id),
+                role="canary",
             )
         )
     tenant_weights = (

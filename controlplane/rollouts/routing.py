@@ -11,6 +11,7 @@ from typing import Any
 
 import redis
 
+from contracts import tracing
 from contracts.routing import (
     ROUTING_CHANNEL,
     ROUTING_INDEX_KEY,
@@ -38,7 +39,8 @@ def routing_table_publish(
 
     `versions`: each a VersionRoute or a mapping with version_id, label, weight (0..100),
     endpoints (base URLs of ready agents), endpoint_secrets ({endpoint: its engine's
-    serving secret}) and max_model_len (0 or absent: not known).
+    serving secret}), max_model_len (0 or absent: not known) and role (stable or canary;
+    absent: not said).
     `tenant_weights`: {tenant slug: {version_id: weight}} for the tenants of a
     tenant-scoped stage.
     """
@@ -52,6 +54,7 @@ def routing_table_publish(
             endpoints=tuple(item.get("endpoints", ())),
             max_model_len=item.get("max_model_len", 0),
             endpoint_secrets=dict(item.get("endpoint_secrets", {})),
+            role=str(item.get("role", "")),
         )
         for item in versions
     ]
@@ -64,6 +67,7 @@ def routing_table_publish(
             client.close()
 
 
+@tracing.traced(__name__, "rollouts.routing.publish")
 def _publish(
     client: redis.Redis,
     deployment: str,
@@ -97,4 +101,9 @@ def _publish(
     pipe.sadd(ROUTING_INDEX_KEY, deployment)
     pipe.publish(ROUTING_CHANNEL, deployment)
     pipe.execute()
+    tracing.span_attributes_set(
+        deployment=deployment,
+        routing_generation=generation,
+        versions=",".join(f"{v.version_id}:{v.weight}:{v.role}" for v in table.versions),
+    )
     return table

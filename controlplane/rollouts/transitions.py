@@ -22,6 +22,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from contracts import tracing
 from controlplane.audit.services import Actor, audit_event_record
 from controlplane.core.errors import Conflict, DomainError, NotFound
 from controlplane.registry.models import DEPLOYABLE_STATUSES, Evaluation, ModelVersion
@@ -220,6 +221,7 @@ def _check(rollout: Rollout, spec: Transition, expected: Expected) -> None:
         )
 
 
+@tracing.traced(__name__, "rollouts.transition")
 def _apply(
     rollout: Rollout,
     spec: Transition,
@@ -242,6 +244,17 @@ def _apply(
         deployment.stable_version_id = rollout.candidate_id
     routing_write(deployment, rollout=rollout)
     rollout.deployment = deployment
+    tracing.span_attributes_set(
+        rollout_id=rollout.pk,
+        action=spec.action,
+        state_from=before["state"],
+        state_to=rollout.state,
+        revision=rollout.revision,
+        routing_revision=deployment.routing_revision,
+        canary_weight=deployment.desired_routing.get("canary_weight", 0),
+        actor="system" if actor is None else str(actor),
+        reason=reason[:500],
+    )
     audit_event_record(
         actor=actor,
         action=spec.action,

@@ -15,6 +15,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from prometheus_client import start_http_server
 
+from contracts.tracing import TracingConfigError, tracing_configure
 from controlplane.core.redis_clients import stream_reader
 from controlplane.telemetry.ingest import ingest_ticker, stream_handlers
 from controlplane.telemetry.streams import StreamIngestor
@@ -52,6 +53,10 @@ class Command(BaseCommand):
         port = options["metrics_port"]
         if port is not None and not 1 <= port <= 65535:
             raise CommandError("--metrics-port must be within 1..65535")
+        try:
+            tracing_configure("ingest")  # hard-breach rollbacks are traced decisions
+        except TracingConfigError as exc:
+            raise CommandError(str(exc)) from exc
         if port is not None:
             try:
                 start_http_server(port, addr=options["metrics_bind"])
