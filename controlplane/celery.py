@@ -1,5 +1,7 @@
 """The Celery application: broker and schedule come from Django settings (CELERY_*)."""
 
+import copy
+import logging
 import logging.config
 import os
 from typing import Any
@@ -15,9 +17,12 @@ app.autodiscover_tasks()
 
 
 @setup_logging.connect
-def _logging_from_settings(**kwargs: Any) -> None:
+def _logging_from_settings(loglevel: int | None = None, **kwargs: Any) -> None:
     """Workers and beat log as every process does (settings.LOGGING, contracts/logs.py),
-    not in Celery's own format; LOG_LEVEL sets the level, not --loglevel."""
+    not in Celery's own format; at LOG_LEVEL, else at --loglevel."""
     from django.conf import settings
 
-    logging.config.dictConfig(settings.LOGGING)
+    config = copy.deepcopy(settings.LOGGING)
+    if not os.environ.get("LOG_LEVEL") and loglevel is not None:
+        config["root"]["level"] = logging.getLevelName(loglevel)
+    logging.config.dictConfig(config)
