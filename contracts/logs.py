@@ -31,6 +31,8 @@ RESERVED_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None)
     "message",
     "asctime",
 }
+# Extras that repeat the message for terminals (uvicorn's, with colour codes): left out.
+_OMITTED_FIELDS = frozenset({"color_message"})
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
@@ -56,7 +58,7 @@ def record_fields(record: logging.LogRecord) -> dict[str, Any]:
     return {
         key: value
         for key, value in vars(record).items()
-        if key not in RESERVED_FIELDS and not key.startswith("_")
+        if key not in RESERVED_FIELDS and key not in _OMITTED_FIELDS and not key.startswith("_")
     }
 
 
