@@ -278,6 +278,7 @@ SPECTACULAR_SETTINGS["ENUM_NAME_OVERRIDES"] = {
     "PromptLoggingEnum": "controlplane.tenants.models.PromptLogging",
     "ApiKeyScopeEnum": "controlplane.tenants.models.ApiKeyScope",
     "RoleEnum": "controlplane.core.roles.Role",
+    "EngineFailureEnum": "contracts.streams.EngineFailure",
 }
 
 # Gateway
