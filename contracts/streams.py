@@ -19,6 +19,10 @@ over every other field (`agent_fields_sign`, contracts.fields_mac's encoding, la
 stream); ingest refuses an entry whose `mac` does not verify under the key of the agent
 it names (`agent_fields_verify`).
 
+A heartbeat also carries its engine's last failure until an engine next serves there:
+`engine_error` (an EngineFailure reason code, or "") and `engine_error_message` (at most
+ENGINE_ERROR_MESSAGE_MAX_LENGTH characters); an entry without them (an older agent) has none.
+
 Every entry is a flat map of strings (Redis stream fields). A heartbeat keeps its
 identity and state in fields of their own and its numbers in one JSON object, `figures`
 (reading a stream costs per field, and ingest reads thousands of entries a second).
