@@ -123,8 +123,8 @@ def test_an_engine_that_exits_while_starting_says_why_and_its_lines_are_logged(c
         ("engine", "WARNING", "Traceback (most recent call last):"),
         ("engine", "WARNING", "ValueError: bad magic"),
     ]
-    assert caplog.records[0].request_id == "r-1"  # type: ignore[attr-defined]
-    assert {r.version_id for r in caplog.records} == {7}  # type: ignore[attr-defined]
+    assert caplog.records[0].request_id == "r-1"
+    assert {r.version_id for r in caplog.records} == {7}
 
 
 def test_a_killed_engine_and_a_long_tail_stay_within_the_bound() -> None:
