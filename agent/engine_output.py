@@ -35,6 +35,11 @@ TEXT_LINE = re.compile(
 _JSON_KEYS = frozenset({"time", "level", "logger", "message"})
 
 
+def engine_output_level() -> int:
+    """The least level of engine line the agent logs."""
+    return logger.getEffectiveLevel()
+
+
 def engine_record(line: str, fields: Mapping[str, Any]) -> tuple[logging.LogRecord, bool]:
     """The record for one line of engine output, and whether the line was unstructured."""
     values: dict[str, Any] = {"name": "engine", "levelno": logging.WARNING, "msg": line}

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from agent.engine_output import EngineOutput
+from agent.engine_output import EngineOutput, engine_output_level
 from contracts.streams import ENGINE_ERROR_MESSAGE_MAX_LENGTH, EngineError, EngineFailure
 from engine.config import AGENT_NAME_VARIABLE, EngineSecrets
 
@@ -159,6 +159,9 @@ class EngineProcess:
                     **self._secrets.environment(),
                     AGENT_NAME_VARIABLE: self.spec.agent_name,
                     **gpu_environment(self.spec.gpu_index),
+                    # The agent's level (its --log-level too): the engine writes what the
+                    # agent logs, in the agent's LOG_FORMAT, which it inherits.
+                    "LOG_LEVEL": logging.getLevelName(engine_output_level()),
                 },
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
