@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -156,3 +158,39 @@ def test_an_engine_command_that_cannot_run_and_one_never_ready() -> None:
     assert failure.error is not None
     assert failure.error.reason is EngineFailure.NOT_READY
     assert failure.error.message == "not ready within 1s: warming"
+
+
+FAILED_STEP_LOOP = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"status": "failed", "error": "CUDA error: illegal memory access"})
+        self.send_response(503)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args):
+        pass
+
+HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), Health).serve_forever()
+"""
+
+
+def test_a_running_engine_whose_step_loop_failed_says_why() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    engine = fake_engine(FAILED_STEP_LOOP, port=port)
+    engine.start()
+    try:
+        deadline = time.monotonic() + 30
+        while engine.health() != "failed" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        error = engine.failed_error()
+    finally:
+        engine.stop()
+    assert error.reason is EngineFailure.STEP_FAILED
+    assert error.message == "step loop failed: CUDA error: illegal memory access"
