@@ -4,9 +4,9 @@
 parsing rules) or a line for people (`text`); `LOG_LEVEL` the level (INFO by default).
 Records go to stderr. Anything passed with `extra=` becomes a field of its own.
 
-`logging_configure` sets up a process; Django's processes get the same configuration
-through their LOGGING setting (`logging_config`). uvicorn's loggers are handed to the
-root's handler, so its lines are formatted like everything else.
+`logging_configure` sets up a process; Django's processes get the same through their
+settings (LOGGING is `logging_config()`, applied by `logging_apply`). uvicorn's loggers
+are handed to the root's handler, so its lines are formatted like everything else.
 """
 
 from __future__ import annotations
@@ -135,11 +135,14 @@ def logging_configure(
     fields: Mapping[str, Any] | None = None,
 ) -> None:
     """Configure this process's logging from LOG_FORMAT and LOG_LEVEL (or `level`).
+    Raises ValueError naming a bad LOG_FORMAT or LOG_LEVEL."""
+    logging_apply(logging_config(environ=environ, level=level, fields=fields))
 
-    Warnings and uncaught exceptions are logged too, so that a process's output stays one
-    record per line in JSON. Raises ValueError naming a bad LOG_FORMAT or LOG_LEVEL.
-    """
-    logging.config.dictConfig(logging_config(environ=environ, level=level, fields=fields))
+
+def logging_apply(config: dict[str, Any]) -> None:
+    """Apply a `logging_config` (Django's LOGGING_CONFIG). Warnings and uncaught exceptions
+    are logged too, so that a process's output stays one record a line in JSON."""
+    logging.config.dictConfig(config)
     logging.captureWarnings(True)
     sys.excepthook = _log_uncaught
     threading.excepthook = _log_uncaught_in_thread

@@ -2,12 +2,13 @@
 
 import copy
 import logging
-import logging.config
 import os
 from typing import Any
 
 from celery import Celery
 from celery.signals import setup_logging
+
+from contracts.logs import logging_apply
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
@@ -25,4 +26,4 @@ def _logging_from_settings(loglevel: int | None = None, **kwargs: Any) -> None:
     config = copy.deepcopy(settings.LOGGING)
     if not os.environ.get("LOG_LEVEL") and loglevel is not None:
         config["root"]["level"] = logging.getLevelName(loglevel)
-    logging.config.dictConfig(config)
+    logging_apply(config)

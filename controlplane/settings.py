@@ -260,6 +260,7 @@ if not DEBUG:
 
 # One JSON object per line by default (LOG_FORMAT=text for people), as every process logs:
 # contracts/logs.py. A bad LOG_FORMAT or LOG_LEVEL stops the process with its name.
+LOGGING_CONFIG = "contracts.logs.logging_apply"
 LOGGING = logging_config()
 LOGGING["loggers"]["django.db.backends"] = {"level": "WARNING"}
 

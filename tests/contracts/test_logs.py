@@ -76,13 +76,14 @@ def test_bad_settings_are_refused_by_name() -> None:
 # Django's processes (web and the gateway under uvicorn, ingest, workers) configure logging
 # from settings.LOGGING at django.setup(); uvicorn has given its loggers handlers by then.
 DJANGO_PROCESS = """
-import logging, logging.config, django
+import logging, logging.config, warnings, django
 from uvicorn.config import LOGGING_CONFIG
 logging.config.dictConfig(LOGGING_CONFIG)
 django.setup()
 logging.getLogger("controlplane.test").warning("from %s", "django", extra={"k": 1})
 logging.getLogger("uvicorn.error").warning("from uvicorn")
 logging.getLogger("uvicorn.access").warning("access line")
+warnings.warn("careful")
 """
 
 
@@ -97,7 +98,7 @@ def run(code: str, **environ: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_a_django_process_and_uvicorns_loggers_write_json_lines() -> None:
+def test_a_django_process_uvicorns_loggers_and_warnings_write_json_lines() -> None:
     done = run(DJANGO_PROCESS, LOG_FORMAT="json", LOG_LEVEL="INFO")
     assert done.returncode == 0, done.stderr
     entries = [json.loads(line) for line in done.stderr.splitlines()]
@@ -105,8 +106,10 @@ def test_a_django_process_and_uvicorns_loggers_write_json_lines() -> None:
         ("controlplane.test", "from django"),
         ("uvicorn.error", "from uvicorn"),
         ("uvicorn.access", "access line"),
+        ("py.warnings", entries[3]["message"]),
     ]
     assert entries[0]["k"] == 1
+    assert "UserWarning: careful" in entries[3]["message"]
 
 
 def test_a_bad_log_format_stops_a_process_with_its_name() -> None:
