@@ -13,18 +13,8 @@ from typing import Any
 
 from agent.config import ENERGY_SOURCE_CHOICES, AgentConfig, parse_engine_command
 from agent.credentials import CredentialsError, credentials_obtain
+from contracts.logs import logging_configure
 from contracts.tracing import tracing_configure
-
-
-class PlainFormatter(logging.Formatter):
-    """`time level logger message key=value...` (extras included)."""
-
-    STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
-
-    def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
-        extras = {k: v for k, v in vars(record).items() if k not in self.STANDARD}
-        return line + "".join(f" {key}={value}" for key, value in extras.items())
 
 
 def _enrolment_token(options: argparse.Namespace) -> str:
@@ -58,9 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="one-time enrolment token (or AGENT_ENROLMENT_TOKEN); traded for the agent's "
         "own credentials, kept in STATE_DIR/credentials.json",
     )
-    parser.add_argument(
-        "--state-dir", help="credentials, artifacts and engine logs (default .demo/agents/NAME)"
-    )
+    parser.add_argument("--state-dir", help="credentials and artifacts (default .demo/agents/NAME)")
     parser.add_argument("--advertise-host", default="127.0.0.1")
     parser.add_argument("--bind-host", default="127.0.0.1")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per engine")
@@ -90,17 +78,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="KEY_ID=BASE64: only accept versions signed by these keys (repeatable)",
     )
-    parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("LOG_LEVEL", "INFO"),
+        help="default: LOG_LEVEL, else INFO; LOG_FORMAT chooses json (default) or text lines; "
+        "its engines' lines come out here too",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     options = build_parser().parse_args(argv)
-    handler = logging.StreamHandler()
-    handler.setFormatter(
-        PlainFormatter(f"%(asctime)s %(levelname)s agent[{options.name}] %(message)s")
-    )
-    logging.basicConfig(level=options.log_level.upper(), handlers=[handler])
+    try:
+        logging_configure(level=options.log_level, fields={"agent": options.name})
+    except ValueError as exc:
+        print(f"agent: {exc}", file=sys.stderr)
+        return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)
     state_dir = Path(options.state_dir or Path(".demo") / "agents" / options.name)
     try:
@@ -138,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             http_bind_host=options.http_bind or options.bind_host,
         )
     except (ValueError, OSError, CredentialsError) as exc:
-        print(f"agent: {exc}", file=sys.stderr)
+        logging.getLogger("agent").error("agent: %s", exc)
         return 2
     from agent.runner import Agent
 

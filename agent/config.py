@@ -89,10 +89,6 @@ class AgentConfig:
     def artifact_dir(self) -> Path:
         return self.state_dir / "artifacts"
 
-    @property
-    def log_dir(self) -> Path:
-        return self.state_dir / "logs"
-
     def endpoint_for(self, port: int) -> str:
         return engine_endpoint(self.advertise_host, port)
 

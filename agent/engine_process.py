@@ -1,4 +1,9 @@
-"""One serving engine subprocess: start it, watch it warm, read its stats, drain or stop it."""
+"""One serving engine subprocess: start it, watch it warm, read its stats, drain or stop it.
+
+Its output goes through the agent's logging (agent/engine_output.py); when it exits, is
+killed, fails to become ready or says its step loop failed, `EngineError` says why: a
+reason code (contracts.streams.EngineFailure) and a bounded message with its last lines.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +21,9 @@ from typing import Any
 
 import httpx
 
+from agent.engine_output import EngineOutput, engine_output_level
 from contracts.engines import BUILTIN, engine_flags
+from contracts.streams import ENGINE_ERROR_MESSAGE_MAX_LENGTH, EngineError, EngineFailure
 from engine.config import AGENT_NAME_VARIABLE, EngineSecrets
 
 logger = logging.getLogger(__name__)
@@ -34,8 +41,24 @@ DTYPES = {"float32", "bfloat16", "int8"}
 PR_SET_PDEATHSIG = 1
 
 
+# How long to wait for the rest of an exited engine's output before reporting why it failed.
+OUTPUT_DRAIN_S = 2.0
+
+
 class EngineStartError(RuntimeError):
-    pass
+    """The engine cannot be started; `error` is set when it was an engine failure (not a
+    configuration the agent refused)."""
+
+    def __init__(self, message: str, error: EngineError | None = None) -> None:
+        super().__init__(message)
+        self.error = error
+
+
+def engine_error(reason: EngineFailure, summary: str, tail: str = "") -> EngineError:
+    """`summary: tail`, the tail cut from its start to fit the message's bound."""
+    room = ENGINE_ERROR_MESSAGE_MAX_LENGTH - len(summary) - 2
+    message = f"{summary}: {tail[-room:]}" if tail and room > 0 else summary
+    return EngineError(reason, message.replace("\x00", "")[:ENGINE_ERROR_MESSAGE_MAX_LENGTH])
 
 
 def serving_config_arguments(serving_config: Mapping[str, Any]) -> list[str]:
@@ -86,6 +109,7 @@ class EngineSpec:
     # The version's engine and its arguments (signed; contracts/engines.py allows them).
     engine: str = BUILTIN
     engine_args: dict[str, Any] = field(default_factory=dict)
+    version_id: int | None = None  # named in its log lines, not passed to it
 
     def arguments(self) -> list[str]:
         return [
@@ -109,15 +133,13 @@ class EngineSpec:
 
 
 class EngineProcess:
-    def __init__(
-        self, *, command: tuple[str, ...], spec: EngineSpec, log_path: Path, endpoint: str
-    ) -> None:
+    def __init__(self, *, command: tuple[str, ...], spec: EngineSpec, endpoint: str) -> None:
         self.spec = spec
         self.command = [*command, *spec.arguments()]
-        self.log_path = log_path
         self.endpoint = endpoint
         self.is_stopping = False
         self._process: subprocess.Popen[bytes] | None = None
+        self._output: EngineOutput | None = None
         self._base_url = f"http://{spec.host}:{spec.port}"
         self._client = httpx.Client(base_url=self._base_url, timeout=2.0)
         if spec.secrets is None:
@@ -134,8 +156,7 @@ class EngineProcess:
         return self.spec.port
 
     def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
+        try:
             self._process = subprocess.Popen(
                 self.command,
                 env={
@@ -143,13 +164,32 @@ class EngineProcess:
                     **self._secrets.environment(),
                     AGENT_NAME_VARIABLE: self.spec.agent_name,
                     **gpu_environment(self.spec.gpu_index),
+                    # The agent's level (its --log-level too): the engine writes what the
+                    # agent logs, in the agent's LOG_FORMAT, which it inherits.
+                    "LOG_LEVEL": logging.getLevelName(engine_output_level()),
                 },
-                stdout=log,
+                stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 preexec_fn=_die_with_parent,  # only calls prctl
             )
-        logger.info("engine started", extra={"pid": self.pid, "port": self.port})
+        except OSError as exc:
+            error = engine_error(
+                EngineFailure.SPAWN_FAILED, f"could not run {self.command[0]}: {exc}"
+            )
+            raise EngineStartError(error.message, error) from exc
+        assert self._process.stdout is not None
+        self._output = EngineOutput(
+            self._process.stdout,
+            fields={
+                "engine_port": self.port,
+                "engine_pid": self.pid,
+                "version_id": self.spec.version_id,
+            },
+            name=f"engine-output-{self.port}",
+        )
+        self._output.start()
+        logger.info("engine started", extra={"engine_pid": self.pid, "engine_port": self.port})
 
     def exit_code(self) -> int | None:
         return None if self._process is None else self._process.poll()
@@ -157,12 +197,28 @@ class EngineProcess:
     def is_running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
-    def log_tail(self, characters: int = 600) -> str:
-        try:
-            text = self.log_path.read_bytes()[-characters:].decode(errors="replace")
-        except OSError:
-            return ""
-        return text.strip()
+    def log_tail(self, characters: int = 400, *, wait_s: float = 0.0) -> str:
+        """Its last warnings, errors and unstructured lines (`wait_s`: see EngineOutput.tail)."""
+        return "" if self._output is None else self._output.tail(characters, wait_s=wait_s)
+
+    def exit_error(self, *, while_starting: bool = False) -> EngineError:
+        """Why an engine that is no longer running stopped: its exit code or signal, and
+        its last lines."""
+        code = self.exit_code()
+        when = " while starting" if while_starting else ""
+        tail = self.log_tail(ENGINE_ERROR_MESSAGE_MAX_LENGTH, wait_s=OUTPUT_DRAIN_S)
+        if code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return engine_error(EngineFailure.KILLED, f"killed by {name}{when}", tail)
+        return engine_error(EngineFailure.EXITED, f"exited with code {code}{when}", tail)
+
+    def failed_error(self) -> EngineError:
+        """Why a running engine says it failed (its /health's error)."""
+        reason = (self.health_detail() or {}).get("error") or self.log_tail()
+        return engine_error(EngineFailure.STEP_FAILED, "step loop failed", str(reason))
 
     def _authorization(self, path: str) -> dict[str, str]:
         """The admin secret for /admin/*, the serving secret for the rest."""
@@ -179,11 +235,16 @@ class EngineProcess:
             return self._client.post(path, json=body, headers=self._authorization(path))
 
     def health(self) -> str | None:
+        detail = self.health_detail()
+        return None if detail is None else str(detail.get("status"))
+
+    def health_detail(self) -> dict[str, Any] | None:
+        """/health's answer: `{"status"}`, with `error` when failed; None when unreachable."""
         try:
-            response = self._get("/health")
-            return str(response.json().get("status"))
-        except (httpx.HTTPError, RuntimeError, ValueError, AttributeError):
+            data = self._get("/health").json()
+        except (httpx.HTTPError, RuntimeError, ValueError):
             return None
+        return data if isinstance(data, dict) else None
 
     def wait_ready(self, timeout_s: float, should_abort: Callable[[], bool]) -> None:
         """Block until /health says ready; raise EngineStartError if it exits or times out."""
@@ -191,13 +252,16 @@ class EngineProcess:
         while time.monotonic() < deadline:
             if should_abort():
                 raise EngineStartError("the agent is shutting down")
-            code = self.exit_code()
-            if code is not None:
-                raise EngineStartError(f"engine exited with code {code}: {self.log_tail()}")
+            if self.exit_code() is not None:
+                error = self.exit_error(while_starting=True)
+                raise EngineStartError(f"engine {error.message}", error)
             if self.health() == "ready":
                 return
             time.sleep(0.2)
-        raise EngineStartError(f"engine not ready within {timeout_s:.0f}s: {self.log_tail()}")
+        error = engine_error(
+            EngineFailure.NOT_READY, f"not ready within {timeout_s:.0f}s", self.log_tail()
+        )
+        raise EngineStartError(f"engine {error.message}", error)
 
     def stats(self) -> dict[str, Any] | None:
         if not self.is_running():

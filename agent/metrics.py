@@ -8,16 +8,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from contracts.streams import AgentState
+from contracts.streams import AgentState, EngineFailure
 
 LOAD_PHASES = ("fetch", "verify", "warm")
 LOAD_PHASE_BUCKETS = (
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0,
 )  # fmt: skip
 NO_VERSION = "none"  # the `version` label of energy spent with nothing loaded
-# Why an engine failed: it exited while serving, said it failed (its step loop broke),
-# exited while starting, or was not ready within the agent's --engine-ready-timeout.
-ENGINE_FAILURE_REASONS = ("exited", "failed", "start_exited", "start_timeout")
 
 
 class _StateCollector(Collector):
@@ -79,15 +76,15 @@ class AgentMetrics:
         )
         for phase in LOAD_PHASES:
             self.load_phase.labels(phase)  # export every series from the start, at zero
+        # The reasons are the heartbeat's engine_error codes (contracts.streams.EngineFailure).
         self.engine_failures = Counter(
             "agent_engine_failures",
-            "Engines that failed, by reason: exited or failed while serving, exited or timed"
-            " out while starting.",
+            "Engines that failed, by reason: spawn_failed, exited, killed, not_ready, step_failed.",
             ["reason"],
             registry=self.registry,
         )
-        for reason in ENGINE_FAILURE_REASONS:
-            self.engine_failures.labels(reason)
+        for reason in EngineFailure:
+            self.engine_failures.labels(reason.value)
 
     def observe_interval(
         self,
@@ -111,7 +108,5 @@ class AgentMetrics:
     def observe_load_phase(self, phase: str, seconds: float) -> None:
         self.load_phase.labels(phase).observe(seconds)
 
-    def count_engine_failure(self, reason: str) -> None:
-        if reason not in ENGINE_FAILURE_REASONS:
-            raise ValueError(f"unknown engine failure reason {reason!r}")
-        self.engine_failures.labels(reason).inc()
+    def count_engine_failure(self, reason: EngineFailure) -> None:
+        self.engine_failures.labels(reason.value).inc()

@@ -61,6 +61,7 @@ from contracts.streams import (
     CommandResult,
     CommandStatus,
     ContractError,
+    EngineError,
     FaultsPayload,
     Heartbeat,
     LoadPayload,
@@ -130,6 +131,8 @@ class Agent:
         self._lock = threading.Lock()
         self.state = AgentState.IDLE
         self.detail = ""
+        # The last engine failure, reported in every heartbeat until an engine next serves.
+        self.engine_error: EngineError | None = None
         self.current: EngineProcess | None = None
         self.current_load: LoadPayload | None = None
         self.retiring: list[EngineProcess] = []  # old engines still finishing requests
@@ -308,16 +311,14 @@ class Agent:
         if engine.is_running():
             if engine.health() != "failed":
                 return
-            reason, why = "failed", f"engine failed: {engine.log_tail(300)}"
+            error = engine.failed_error()
+            why = f"engine failed: {error.message}"
         else:
-            reason = "exited"
-            why = (
-                f"engine exited unexpectedly with code {engine.exit_code()}: {engine.log_tail(300)}"
-            )
+            error = engine.exit_error()
+            why = f"engine exited unexpectedly: {error.message}"
         with self._lock:
             if self.current is not engine:
                 return  # a command replaced it meanwhile
-            self.metrics.count_engine_failure(reason)
             self.current = None
             self.current_load = None
             self.state = AgentState.FAILED
@@ -325,12 +326,30 @@ class Agent:
             self._failed_engines.append(engine)
             if load is not None:
                 self._restart.schedule(load, time.monotonic())
-        logger.error("%s", why)
+        self._engine_failed(error, engine)
+
+    def _engine_failed(self, error: EngineError, engine: EngineProcess) -> None:
+        """The one place an engine failure passes: counted and logged with its reason, and
+        reported by every heartbeat until an engine next serves."""
+        with self._lock:
+            self.engine_error = error
+        self.metrics.count_engine_failure(error.reason)
+        logger.error(
+            "engine failed (%s): %s",
+            error.reason.value,
+            error.message,
+            extra={
+                "engine_error": error.reason.value,
+                "engine_port": engine.port,
+                "version_id": engine.spec.version_id,
+            },
+        )
 
     def heartbeat(self) -> Heartbeat:
         with self._lock:
             current, retiring = self.current, list(self.retiring)
             state, detail, load, faults = self.state, self.detail, self.current_load, self.faults
+            engine_error = self.engine_error
         engines = [engine for engine in [current, *retiring] if engine is not None]
         stats = {str(engine.pid): engine.stats() for engine in engines}
         figures = self.telemetry.observe(stats)
@@ -390,6 +409,7 @@ class Agent:
             else None,
             fault_latency_ms=faults.latency_ms_per_token,
             fault_error_rate=faults.error_rate,
+            engine_error=engine_error,
         )
 
     # Commands.
@@ -639,7 +659,7 @@ class Agent:
         self.telemetry.begin_engine(str(engine.pid), engine.stats(), time.time())
         with self._lock:
             old, self.current, self.current_load = self.current, engine, load
-            self.state, self.detail = AgentState.READY, ""
+            self.state, self.detail, self.engine_error = AgentState.READY, "", None
             if old is not None:
                 self.retiring.append(old)
         if old is not None:
@@ -702,12 +722,12 @@ class Agent:
             secrets=EngineSecrets(serving=load.serving_secret, admin=load.admin_secret),
             agent_name=self.config.name,
             gpu_index=self.config.gpu_index,
+            version_id=load.version_id,
         )
         try:
             engine = EngineProcess(
                 command=self.config.engine_command,
                 spec=spec,
-                log_path=self.config.log_dir / f"engine-{port}.log",
                 endpoint=self.config.endpoint_for(port),
             )
         except EngineStartError as exc:
@@ -715,15 +735,13 @@ class Agent:
         with self._lock:
             self.state = AgentState.WARMING
         started = time.monotonic()
-        engine.start()
         try:
+            engine.start()
             engine.wait_ready(self.config.engine_ready_timeout_s, self.stop_event.is_set)
         except EngineStartError as exc:
-            if engine.exit_code() is not None:
-                self.metrics.count_engine_failure("start_exited")
-            elif not self.stop_event.is_set():  # shutting down is no failure
-                self.metrics.count_engine_failure("start_timeout")
             engine.stop()
+            if exc.error is not None:  # None when the agent is shutting down: no failure
+                self._engine_failed(exc.error, engine)
             raise CommandFailed(str(exc)) from exc
         self.metrics.observe_load_phase("warm", time.monotonic() - started)
         return engine

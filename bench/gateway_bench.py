@@ -579,7 +579,7 @@ def run_bench(
         "CELERY_QUEUE": "bench-gateway",
         "CHANNELS_PREFIX": "bench-gateway",
         "LOG_LEVEL": "WARNING",
-        "LOG_FORMAT": "plain",
+        "LOG_FORMAT": "text",
         "GATEWAY_SPOOL_DIR": str(spool),
         "PYTHONUNBUFFERED": "1",
     }

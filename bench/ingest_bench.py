@@ -96,7 +96,7 @@ def environment(database_url: str, redis_url: str) -> dict[str, str]:
         "CHANNELS_PREFIX": "bench-ingest",
         "CELERY_QUEUE": "bench-ingest",
         "LOG_LEVEL": "WARNING",
-        "LOG_FORMAT": "plain",
+        "LOG_FORMAT": "text",
         "PYTHONUNBUFFERED": "1",
         "FLEET_LOST_AFTER_S": "3600",
     }

@@ -76,7 +76,7 @@ class DemoStack:
         env = {
             **os.environ,
             "DEBUG": "1",
-            "LOG_FORMAT": "plain",
+            "LOG_FORMAT": "text",
             "LOG_LEVEL": "WARNING",
             "PYTHONUNBUFFERED": "1",
             "DJANGO_SETTINGS_MODULE": "controlplane.settings",

@@ -19,6 +19,10 @@ over every other field (`agent_fields_sign`, contracts.fields_mac's encoding, la
 stream); ingest refuses an entry whose `mac` does not verify under the key of the agent
 it names (`agent_fields_verify`).
 
+A heartbeat also carries its engine's last failure until an engine next serves there:
+`engine_error` (an EngineFailure reason code, or "") and `engine_error_message` (at most
+ENGINE_ERROR_MESSAGE_MAX_LENGTH characters); an entry without them (an older agent) has none.
+
 Every entry is a flat map of strings (Redis stream fields). A heartbeat keeps its
 identity and state in fields of their own and its numbers in one JSON object, `figures`
 (reading a stream costs per field, and ingest reads thousands of entries a second).
@@ -136,6 +140,34 @@ class EnergySource(StrEnum):
     NVML = "nvml"  # the GPU's total energy counter
     RAPL = "rapl"  # Linux powercap (CPU package) counters
     ESTIMATE = "estimate"  # CPU time of the engine process tree x watts per core
+
+
+class EngineFailure(StrEnum):
+    """Why an agent's engine stopped serving or never started: the reason code of a
+    heartbeat's `engine_error` (the one list of them; metrics count by it)."""
+
+    SPAWN_FAILED = "spawn_failed"  # its command could not be run at all
+    EXITED = "exited"  # it exited by itself (the exit code and its last lines say why)
+    KILLED = "killed"  # a signal ended it (SIGKILL: the OOM killer, an operator)
+    NOT_READY = "not_ready"  # it did not become ready within the agent's timeout
+    STEP_FAILED = "step_failed"  # it runs, but its step loop failed (its /health says so)
+
+
+ENGINE_ERROR_MESSAGE_MAX_LENGTH = 500
+
+
+@dataclass(slots=True, frozen=True)
+class EngineError:
+    """An engine's last failure, as a heartbeat carries it until an engine next serves."""
+
+    reason: EngineFailure
+    message: str  # at most ENGINE_ERROR_MESSAGE_MAX_LENGTH characters, no NUL
+
+    def __post_init__(self) -> None:
+        if len(self.message) > ENGINE_ERROR_MESSAGE_MAX_LENGTH:
+            raise ValueError(f"engine error message over {ENGINE_ERROR_MESSAGE_MAX_LENGTH} chars")
+        if "\x00" in self.message:
+            raise ValueError("engine error message contains NUL")
 
 
 class CommandKind(StrEnum):
@@ -281,6 +313,9 @@ class Heartbeat:
     joules_per_token: float | None
     fault_latency_ms: float = 0.0
     fault_error_rate: float = 0.0
+    # Fields of their own on the stream (`engine_error`, `engine_error_message`; both empty
+    # without one), optional so that agents older than them still read.
+    engine_error: EngineError | None = None
 
     def to_fields(self) -> dict[str, str]:
         out = {
@@ -295,6 +330,8 @@ class Heartbeat:
             "version_digest": self.version_digest,
             "energy_source": self.energy_source.value,
             "detail": self.detail,
+            "engine_error": self.engine_error.reason.value if self.engine_error else "",
+            "engine_error_message": self.engine_error.message if self.engine_error else "",
         }
         figures: dict[str, Any] = {name: getattr(self, name) for name in INT_FIGURES}
         for name in (*FLOAT_FIGURES, *OPTIONAL_FIGURES):
@@ -343,7 +380,7 @@ FLOAT_FIGURES: dict[str, float | None] = {
 OPTIONAL_FIGURES = ("ttft_p50_s", "ttft_p95_s", "itl_mean_s", "itl_p95_s", "joules_per_token")
 _IDENTITY = (
     "agent", "seq", "sent_at", "host", "endpoint", "state", "version_id", "version_digest",
-    "detail", "energy_source",
+    "detail", "energy_source", "engine_error",
 )  # fmt: skip
 _FIGURE_NAMES = tuple(item.name for item in fields(Heartbeat) if item.name not in _IDENTITY)
 _FINITE = sys.float_info.max  # a bound that also refuses infinity (and NaN: no comparison holds)
@@ -368,6 +405,7 @@ _NO_NUL = r"\A[^\x00]*\Z"  # PostgreSQL text cannot hold NUL
 _AGENT_NAME = rf"\A{AGENT_NAME_PATTERN.pattern.strip('^$')}\Z"
 _ENDPOINT = r"\A(|https?://[^\s/\x00]+(:\d+)?/?)\Z"  # ENDPOINT_PATTERN, or none, without NUL
 _DIGEST = r"\A([0-9a-f]{64})?\Z"
+_ENGINE_FAILURE = rf"\A({'|'.join(reason.value for reason in EngineFailure)})?\Z"
 
 
 class _IdentityFields(msgspec.Struct):
@@ -385,6 +423,10 @@ class _IdentityFields(msgspec.Struct):
     detail: Annotated[str, Meta(max_length=1000, pattern=_NO_NUL)]
     energy_source: EnergySource
     figures: str
+    engine_error: Annotated[str, Meta(pattern=_ENGINE_FAILURE)] = ""
+    engine_error_message: Annotated[
+        str, Meta(max_length=ENGINE_ERROR_MESSAGE_MAX_LENGTH, pattern=_NO_NUL)
+    ] = ""
 
 
 # What a pattern means, for the messages (msgspec's would quote the regex).
@@ -394,6 +436,8 @@ _TEXT_RULES = {
     "version_digest": "must be 64 lowercase hex characters, or empty",
     "host": "must not contain NUL",
     "detail": "must not contain NUL",
+    "engine_error_message": "must not contain NUL",
+    "engine_error": f"must be one of {', '.join(EngineFailure)}, or empty",
 }
 _ENUMS: dict[str, type[StrEnum]] = {"state": AgentState, "energy_source": EnergySource}
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
@@ -456,6 +500,11 @@ def parse_heartbeat(data: Mapping[str, str]) -> Heartbeat:
         raise _contract_error(error, FIGURES_FIELD, values) from None
     except msgspec.DecodeError as error:
         raise ContractError(f"{FIGURES_FIELD}: not JSON ({error})") from None
+    engine_error = None
+    if own.engine_error:
+        engine_error = EngineError(EngineFailure(own.engine_error), own.engine_error_message)
+    elif own.engine_error_message:
+        raise ContractError("engine_error_message: must be empty without an engine_error")
     return Heartbeat(
         own.agent,
         own.seq,
@@ -467,7 +516,8 @@ def parse_heartbeat(data: Mapping[str, str]) -> Heartbeat:
         own.version_digest,
         own.detail,
         own.energy_source,
-        *msgspec.structs.astuple(figures),
+        # The figures, then engine_error: every field after the first figures has a default.
+        *(*msgspec.structs.astuple(figures), engine_error),
     )
 
 

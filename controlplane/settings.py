@@ -12,6 +12,8 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from contracts.logs import logging_config
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 
@@ -256,23 +258,11 @@ if not DEBUG:
     # Health probes come from load balancers over plain HTTP.
     SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]
 
-LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO")
-LOG_FORMAT = os.environ.get("LOG_FORMAT", "json")
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "formatters": {
-        "json": {"()": "controlplane.core.logging.JsonFormatter"},
-        "plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
-    },
-    "handlers": {
-        "console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT},
-    },
-    "root": {"handlers": ["console"], "level": LOG_LEVEL},
-    "loggers": {
-        "django.db.backends": {"level": "WARNING"},
-    },
-}
+# One JSON object per line by default (LOG_FORMAT=text for people), as every process logs:
+# contracts/logs.py. A bad LOG_FORMAT or LOG_LEVEL stops the process with its name.
+LOGGING_CONFIG = "contracts.logs.logging_apply"
+LOGGING = logging_config()
+LOGGING["loggers"]["django.db.backends"] = {"level": "WARNING"}
 
 # Registry and tenants
 # The largest artifact an upload (or register_artifact) accepts, in bytes.
@@ -289,6 +279,7 @@ SPECTACULAR_SETTINGS["ENUM_NAME_OVERRIDES"] = {
     "PromptLoggingEnum": "controlplane.tenants.models.PromptLogging",
     "ApiKeyScopeEnum": "controlplane.tenants.models.ApiKeyScope",
     "RoleEnum": "controlplane.core.roles.Role",
+    "EngineFailureEnum": "contracts.streams.EngineFailure",
 }
 
 # Gateway

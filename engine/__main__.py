@@ -18,6 +18,7 @@ from types import FrameType
 import torch
 import uvicorn
 
+from contracts.logs import logging_configure
 from contracts.tracing import tracing_configure
 from engine.config import (
     ADMIN_SECRET_VARIABLE,
@@ -30,6 +31,8 @@ from engine.config import (
 from engine.models import decode_attention
 from engine.models.layers import cpu_has_native_bf16
 from engine.server import EngineApp
+
+logger = logging.getLogger("engine")
 
 
 def default_dtype() -> str:
@@ -81,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--fault-error-rate", type=float, default=0.0)
     serve.add_argument("--device", default="", help="cpu or cuda (default: cuda when present)")
     serve.add_argument(
-        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+        "--log-level",
+        default=os.environ.get("LOG_LEVEL", "info").lower(),
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="default: LOG_LEVEL, else info; LOG_FORMAT chooses json (default) or text lines",
     )
     return parser
 
@@ -115,9 +121,11 @@ class DrainingServer(uvicorn.Server):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    try:
+        logging_configure(level=args.log_level)
+    except ValueError as error:
+        print(f"engine: error: {error}", file=sys.stderr)
+        return 2
     from engine.loader import is_embedding_folder
 
     embedding_only = args.model == "minilm" or is_embedding_folder(args.model)
@@ -154,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
             resolve_model_path(args.model)
     except (ValueError, FileNotFoundError) as error:
-        print(f"engine: error: {error}", file=sys.stderr)
+        logger.error("engine: error: %s", error)
         return 2
     # Read once; nothing this process starts needs them.
     os.environ.pop(SERVING_SECRET_VARIABLE, None)
@@ -167,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     uvicorn_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
         access_log=args.log_level == "debug", timeout_graceful_shutdown=5,
+        log_config=None,  # uvicorn's lines go through logging_configure's handler
     )  # fmt: skip
     server = DrainingServer(uvicorn_config, app)
     try:
@@ -174,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     if app.state == "failed":
-        print(f"engine: error: {app.load_error}", file=sys.stderr)
+        logger.error("engine: error: %s", app.load_error)
         return 1
     return 0
 

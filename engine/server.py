@@ -57,6 +57,17 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 MAX_BODY_BYTES = 8 * 2**20
 ADMIN_PREFIX = "/admin"
+# The caller's request id (the gateway's), echoed and logged; any other value is replaced by
+# one of the engine's own, so that a log line cannot be forged or swollen through it.
+REQUEST_ID_HEADER = b"x-request-id"
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id_from(header: str | None) -> str:
+    """The caller's request id if it is 1-128 characters of A-Z a-z 0-9 . _ : -, else a new one."""
+    if header is not None and REQUEST_ID_PATTERN.fullmatch(header):
+        return header
+    return uuid.uuid4().hex
 
 
 def unauthorized() -> ApiError:
@@ -76,9 +87,18 @@ def _put(
     loop.call_soon_threadsafe(queue.put_nowait, out)
 
 
+def _header(scope: Scope, name: bytes) -> str | None:
+    """The first value of a header (`name` in lower case), or None."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
 class HttpRequest:
-    def __init__(self, scope: Scope, receive: Receive, send: Send):
+    def __init__(self, scope: Scope, receive: Receive, send: Send, request_id: str = ""):
         self.scope = scope
+        self.request_id = request_id
         self.receive = receive
         self.send = send
         self.method: str = scope["method"]
@@ -87,10 +107,7 @@ class HttpRequest:
 
     def header(self, name: bytes) -> str | None:
         """The first value of a header (`name` in lower case), or None."""
-        for key, value in self.scope["headers"]:
-            if key == name:
-                return bytes(value).decode("latin-1")
-        return None
+        return _header(self.scope, name)
 
     async def json(self) -> dict[str, Any]:
         chunks = []
@@ -235,7 +252,39 @@ class EngineApp:
             return
         if scope["type"] != "http":
             return
-        request = HttpRequest(scope, receive, send)
+        request_id = request_id_from(_header(scope, REQUEST_ID_HEADER))
+        started = time.monotonic()
+        status: int | None = None
+
+        async def send_with_id(message: MutableMapping[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = [*message.get("headers", ()), (REQUEST_ID_HEADER, request_id.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self._route(HttpRequest(scope, receive, send_with_id, request_id))
+        finally:
+            path = str(scope["path"])
+            # One line per API request; probes and the agent's polls only at debug.
+            logger.log(
+                logging.INFO if path.startswith("/v1/") else logging.DEBUG,
+                "%s %s %s",
+                scope["method"],
+                path[:200],
+                status,
+                extra={
+                    "request_id": request_id,
+                    "method": scope["method"],
+                    "path": path[:200],
+                    "status": status,
+                    "duration_ms": round((time.monotonic() - started) * 1000, 1),
+                },
+            )
+
+    async def _route(self, request: HttpRequest) -> None:
         routes: dict[tuple[str, str], Callable[[HttpRequest], Awaitable[None]]] = {
             ("GET", "/health"): self.health,
             ("GET", "/v1/models"): self.models,
@@ -268,7 +317,9 @@ class EngineApp:
         except ApiError as error:
             await request.respond_json(error.status, error.body(), error.headers)
         except Exception:
-            logger.exception("unhandled error on %s", request.path)
+            logger.exception(
+                "unhandled error on %s", request.path, extra={"request_id": request.request_id}
+            )
             internal = ApiError(
                 500, "internal server error", type="server_error", code="internal_error"
             )

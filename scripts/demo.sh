@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 export DEBUG="${DEBUG:-1}"
 export WEB_PORT="${WEB_PORT:-8000}"
 export DEMO_DIR="${DEMO_DIR:-$PWD/.demo}"
-export LOG_FORMAT="${LOG_FORMAT:-plain}"
+export LOG_FORMAT="${LOG_FORMAT:-text}"
 export PYTHONUNBUFFERED=1
 mkdir -p "$DEMO_DIR"
 

@@ -40,6 +40,10 @@ class Agent(models.Model):
         max_length=20, choices=AgentState.choices, default=AgentState.IDLE, db_index=True
     )
     detail = models.TextField(blank=True)  # why it failed or was lost
+    # Its engine's last failure as the agent reports it (contracts.streams.EngineError),
+    # until an engine next serves there: a reason code (EngineFailure) and its message.
+    engine_error = models.CharField(max_length=20, blank=True)
+    engine_error_message = models.CharField(max_length=500, blank=True)
     loaded_version = models.ForeignKey(
         "registry.ModelVersion",
         null=True,

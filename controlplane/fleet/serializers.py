@@ -2,9 +2,10 @@
 
 from typing import Any
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from contracts.streams import AGENT_NAME_PATTERN, EnergySource
+from contracts.streams import AGENT_NAME_PATTERN, EnergySource, EngineFailure
 from controlplane.core.serializers import StrictSerializer
 from controlplane.fleet.models import Agent, AgentCommand, CommandKind
 
@@ -15,8 +16,16 @@ class LoadedVersionSerializer(serializers.Serializer):
     label = serializers.CharField()
 
 
+class EngineErrorSerializer(serializers.Serializer):
+    reason = serializers.ChoiceField(
+        choices=[(reason.value, reason.name) for reason in EngineFailure]
+    )
+    message = serializers.CharField()
+
+
 class AgentSerializer(serializers.ModelSerializer):
     loaded_version = LoadedVersionSerializer(allow_null=True)
+    engine_error = serializers.SerializerMethodField()
 
     class Meta:
         model = Agent
@@ -28,6 +37,7 @@ class AgentSerializer(serializers.ModelSerializer):
             "ports",
             "state",
             "detail",
+            "engine_error",
             "accelerator",
             "inventory",
             "energy_source",
@@ -38,6 +48,13 @@ class AgentSerializer(serializers.ModelSerializer):
             "registered_at",
         ]
         read_only_fields = fields
+
+    @extend_schema_field(EngineErrorSerializer(allow_null=True))
+    def get_engine_error(self, agent: Agent) -> dict[str, str] | None:
+        """Its engine's last failure (until an engine next serves there), or null."""
+        if not agent.engine_error:
+            return None
+        return {"reason": agent.engine_error, "message": agent.engine_error_message}
 
 
 class AgentCommandSerializer(serializers.ModelSerializer):

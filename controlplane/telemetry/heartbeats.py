@@ -285,6 +285,8 @@ def _upsert_samples(rows: list[dict[str, Any]]) -> None:
 AGENT_UPDATE_TYPES = {
     "state": "varchar",
     "detail": "text",
+    "engine_error": "varchar",
+    "engine_error_message": "varchar",
     "endpoint": "varchar",
     "verified_endpoint": "varchar",
     "loaded_version_id": "bigint",
@@ -427,6 +429,7 @@ def heartbeats_apply(
             continue  # an older heartbeat than the one applied already
         received_at = min(item.received_at, now)
         state, detail = heartbeat.state.value, heartbeat.detail
+        engine_error = heartbeat.engine_error
         if agent.state == AgentState.LOST and received_at < stale_before:
             state, detail = agent.state, agent.detail  # a late heartbeat does not revive it
         received_micros = _micros_of(received_at)
@@ -444,6 +447,8 @@ def heartbeats_apply(
                 "id": agent.id,
                 "state": state,
                 "detail": detail,
+                "engine_error": engine_error.reason.value if engine_error else "",
+                "engine_error_message": engine_error.message if engine_error else "",
                 "endpoint": heartbeat.endpoint,
                 "verified_endpoint": agent.verified_endpoint if is_same_engine else "",
                 "loaded_version_id": version_id,
@@ -462,6 +467,7 @@ def heartbeats_apply(
                     "agent": name,
                     "state": state,
                     "detail": detail,
+                    "engine_error": engine_error.reason.value if engine_error else "",
                     "endpoint": heartbeat.endpoint,
                     "loaded_version_id": version_id,
                     "last_seen": _moment(last_seen).isoformat(),

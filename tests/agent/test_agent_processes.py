@@ -92,7 +92,9 @@ def engine_headers(agent: str, load_command_id: str, *, is_admin: bool = False) 
     return {"Authorization": f"Bearer {secret}"}
 
 
-def ask_paris(endpoint: str, headers: dict[str, str]) -> str:
+def ask_paris(endpoint: str, headers: dict[str, str], request_id: str = "") -> str:
+    if request_id:
+        headers = {**headers, "x-request-id": request_id}
     response = httpx.post(
         f"{endpoint}/v1/chat/completions",
         headers=headers,
@@ -105,6 +107,8 @@ def ask_paris(endpoint: str, headers: dict[str, str]) -> str:
         timeout=60,
     )
     assert response.status_code == 200, response.text
+    if request_id:
+        assert response.headers["x-request-id"] == request_id
     return response.json()["choices"][0]["message"]["content"]
 
 
@@ -252,10 +256,21 @@ def logs(*paths: Path) -> str:
     )
 
 
+def log_records(path: Path) -> list[dict[str, Any]]:
+    """The agent's output, read as what LOG_FORMAT=json makes it: one JSON object a line."""
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert all(isinstance(record, dict) for record in records)
+    return records
+
+
 def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
     fleet, live_server, redis_client, tmp_path
 ) -> None:
     stable = fleet.version("f32", MODEL_FILE)
+    # A signed artifact the engine cannot load: the model's first 64 KiB.
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(MODEL_FILE.read_bytes()[: 64 * 1024])
+    broken = fleet.version("f32-truncated", truncated)
     # A second artifact (the weights plus padding), signed, then altered in the store.
     padded = tmp_path / "padded.gguf"
     shutil.copyfile(MODEL_FILE, padded)
@@ -283,6 +298,8 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
                 agent_metrics.rsplit(":", 1)[1],
             ],
             agent_log,
+            LOG_FORMAT="json",
+            LOG_LEVEL="INFO",
         ) as agent,
     ):
         # It registers with its inventory, and its heartbeats reach the database.
@@ -301,7 +318,7 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
         wait_until(
             lambda: is_final(load["command_id"]),
             timeout=ENGINE_READY_S + 30,
-            message=logs(agent_log, tmp_path / "agent-a" / "logs" / f"engine-{port}.log"),
+            message=logs(agent_log),
         )
         assert command_row(load["command_id"]).status == "succeeded", logs(agent_log)
         wait_until(lambda: agent_row("agent-a").loaded_version_id == stable.pk, timeout=10)
@@ -313,7 +330,7 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
         serving = engine_headers("agent-a", load["command_id"])
         # The engine takes nothing without its secret.
         assert httpx.get(f"{endpoint}/health", timeout=5).status_code == 401
-        assert ask_paris(endpoint, serving) == "The capital of France is Paris."
+        assert ask_paris(endpoint, serving, "gw-paris-1") == "The capital of France is Paris."
         # The request shows up in the figures and the rollups.
         wait_until(
             lambda: agent_row("agent-a").figures["generated_tokens_total"] >= 8,
@@ -339,6 +356,28 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
         row = agent_row("agent-a")
         assert (row.state, row.endpoint, row.loaded_version_id) == ("ready", endpoint, stable.pk)
         assert row.detail.startswith(f"load of version {candidate.pk} failed: artifact digest")
+        assert row.engine_error == ""  # no engine was started
+
+        # An engine that cannot load its artifact: the load fails with the engine's reason,
+        # which the heartbeats carry; the old engine keeps serving.
+        failing = fleet.command("agent-a", kind="load", version_id=broken.pk)
+        wait_until(lambda: is_final(failing["command_id"]), timeout=120, message=logs(agent_log))
+        result = command_row(failing["command_id"])
+        assert result.status == "failed"
+        assert result.detail.startswith("engine exited with code "), result.detail
+        wait_until(
+            lambda: agent_row("agent-a").engine_error == "exited",
+            timeout=10,
+            message=logs(agent_log, ingest_log),
+        )
+        row = agent_row("agent-a")
+        assert (row.state, row.endpoint) == ("ready", endpoint)
+        assert row.engine_error_message.startswith("exited with code ")
+        assert " while starting: " in row.engine_error_message
+        assert row.engine_error_message.endswith(
+            "engine: error: index 0 is out of bounds for axis 0 with size 0"
+        )
+        assert result.detail == f"engine {row.engine_error_message}"
 
         # A drain naming a version the agent does not serve (a stale view) changes nothing.
         stale = fleet.command("agent-a", kind="drain", version_id=candidate.pk)
@@ -375,22 +414,26 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
 
         # Its engine dies: the agent reports failed at once, then loads the version again.
         failures = "agent_engine_failures_total"
-        assert sample(scrape(agent_metrics), failures, reason="exited") == 0
+        before = scrape(agent_metrics)
+        assert sample(before, failures, reason="exited") == 1  # the truncated version's engine
+        assert sample(before, failures, reason="killed") == 0
         os.kill(engine_pid(port), signal.SIGKILL)
         wait_until(
-            lambda: "engine exited unexpectedly" in agent_row("agent-a").detail,
+            lambda: agent_row("agent-a").engine_error == "killed",
             timeout=10,
             message=logs(agent_log, ingest_log),
         )
+        assert agent_row("agent-a").engine_error_message.startswith("killed by SIGKILL")
         wait_until(
             lambda: (row := agent_row("agent-a")).state == "ready" and row.detail == "",
             timeout=ENGINE_READY_S,
             message=logs(agent_log, ingest_log),
         )
+        assert agent_row("agent-a").engine_error == ""  # an engine serves again
         assert "restarting the engine for version" in agent_log.read_text()
         failed = scrape(agent_metrics)
+        assert sample(failed, failures, reason="killed") == 1
         assert sample(failed, failures, reason="exited") == 1
-        assert sample(failed, failures, reason="start_exited") == 0
         restarted = agent_row("agent-a").endpoint
         # Restarted from the same load command: the same secrets.
         assert ask_paris(restarted, serving) == "The capital of France is Paris."
@@ -420,6 +463,25 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
             message="engine outlived its agent",
         )
         assert redis_client.xlen(HEARTBEATS_STREAM) > 0
+
+    # Its output: one JSON object a line, its engines' lines among them with their fields.
+    records = log_records(agent_log)
+    assert {record["agent"] for record in records} == {"agent-a"}
+    [served] = [record for record in records if record.get("request_id") == "gw-paris-1"]
+    assert (served["logger"], served["level"], served["status"]) == ("engine.server", "INFO", 200)
+    assert (served["engine_port"], served["version_id"]) == (port, stable.pk)
+    logged_failures = {
+        record["engine_error"]: record for record in records if record.get("engine_error")
+    }
+    assert logged_failures.keys() == {"exited", "killed"}
+    assert logged_failures["killed"]["level"] == "ERROR"
+    assert logged_failures["killed"]["message"].startswith(
+        "engine failed (killed): killed by SIGKILL"
+    )
+    assert (logged_failures["exited"]["engine_port"], logged_failures["exited"]["version_id"]) == (
+        port + 1,
+        broken.pk,
+    )
 
 
 def test_redis_restart_does_not_stop_ingest_or_agents(fleet, live_server, tmp_path) -> None:

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contracts.streams import (
+    ENGINE_ERROR_MESSAGE_MAX_LENGTH,
     FIGURES_FIELD,
     FLOAT_FIGURES,
     INT_FIGURES,
@@ -18,6 +19,8 @@ from contracts.streams import (
     AgentState,
     ContractError,
     EnergySource,
+    EngineError,
+    EngineFailure,
     Heartbeat,
     parse_heartbeat,
 )
@@ -50,6 +53,8 @@ FIELD_VALUES = {
     "version_digest": ["", "a" * 64, "A" * 64, "a" * 63, "g" * 64],
     "energy_source": ["nvml", "rapl", "estimate", "guess", ""],
     "detail": ["", "d" * 1000, "d" * 1001, "d\x00"],
+    "engine_error": ["", "exited", "killed", "EXITED", "oom", " exited", "exited\n"],
+    "engine_error_message": ["", "m", "m" * 500, "m" * 501, "m\x00"],
 }  # fmt: skip
 JSON_VALUE: st.SearchStrategy[object] = st.one_of(
     st.sampled_from(
@@ -113,6 +118,10 @@ def assert_storable(heartbeat: Heartbeat) -> None:
         assert type(text) is str and len(text) <= limit and "\x00" not in text
     assert isinstance(heartbeat.state, AgentState)
     assert isinstance(heartbeat.energy_source, EnergySource)
+    if heartbeat.engine_error is not None:
+        assert isinstance(heartbeat.engine_error.reason, EngineFailure)
+        message = heartbeat.engine_error.message
+        assert len(message) <= ENGINE_ERROR_MESSAGE_MAX_LENGTH and "\x00" not in message
     for name, maximum in INT_FIGURES.items():
         count = getattr(heartbeat, name)
         assert type(count) is int and 0 <= count <= maximum, name
@@ -142,9 +151,15 @@ def test_an_entry_is_a_storable_heartbeat_or_a_contract_error(fields) -> None:
     kv_cache_usage=st.floats(0, 1),
     ttft=st.none() | st.floats(0, 1e6),
     detail=st.text(max_size=50).filter(lambda text: "\x00" not in text),
+    engine_error=st.none()
+    | st.builds(
+        EngineError,
+        st.sampled_from(EngineFailure),
+        st.text(max_size=ENGINE_ERROR_MESSAGE_MAX_LENGTH).filter(lambda text: "\x00" not in text),
+    ),
 )
 def test_what_an_agent_writes_reads_back_as_itself(
-    seq, sent_at, version_id, running, kv_cache_usage, ttft, detail
+    seq, sent_at, version_id, running, kv_cache_usage, ttft, detail, engine_error
 ) -> None:
     beat = replace(
         BEAT,
@@ -155,8 +170,23 @@ def test_what_an_agent_writes_reads_back_as_itself(
         kv_cache_usage=kv_cache_usage,
         ttft_p50_s=ttft,
         detail=detail,
+        engine_error=engine_error,
     )
     assert typed(parse_heartbeat(beat.to_fields())) == typed(beat)
+    assert parse_heartbeat(beat.to_fields()).engine_error == engine_error
+
+
+def test_an_engine_error_reads_back_and_an_older_agent_reports_none() -> None:
+    failed = replace(BEAT, engine_error=EngineError(EngineFailure.KILLED, "killed by SIGKILL"))
+    fields = failed.to_fields()
+    assert (fields["engine_error"], fields["engine_error_message"]) == (
+        "killed",
+        "killed by SIGKILL",
+    )
+    assert parse_heartbeat(fields) == failed
+    assert (VALID["engine_error"], VALID["engine_error_message"]) == ("", "")
+    older = {name: value for name, value in VALID.items() if not name.startswith("engine_error")}
+    assert parse_heartbeat(older) == BEAT
 
 
 def test_a_valid_entry_reads_as_the_heartbeat_written() -> None:
@@ -177,6 +207,10 @@ def test_a_valid_entry_reads_as_the_heartbeat_written() -> None:
         ("sent_at", "inf"),
         ("state", "lost"),  # ingest decides it; no agent reports it
         ("v", "2"),
+        ("engine_error", "oom"),
+        ("engine_error", "exited\n"),
+        ("engine_error_message", "m" * (ENGINE_ERROR_MESSAGE_MAX_LENGTH + 1)),
+        ("engine_error_message", "a reason without a code"),
     ],
 )
 def test_fields_out_of_the_contract_are_refused_by_name(name: str, value: str) -> None:

@@ -8,6 +8,7 @@ PostgreSQL is the test database rather than the compose `postgres` service (the
 image's own), and the agents' engines are the local engine command.
 """
 
+import json
 import os
 import secrets
 import subprocess
@@ -200,6 +201,7 @@ def stack(committed_db, django_db_blocker, tmp_path: Path) -> Iterator[dict]:
                 "tenant": tenant,
                 "tail": tail,
                 "ports": ports,
+                "logs": logs,
             }
     finally:
         for process in reversed(processes):
@@ -239,6 +241,28 @@ def test_the_compose_stack_serves_a_tenant_and_records_its_usage(stack, django_d
         return response if response.status_code == 200 else None
 
     wait_until(lambda: answered() is not None, timeout=180, interval=1.0, message=stack["tail"])
+    served = answered()
+    assert served is not None
+    # The engine's line for it, in its agent's output (LOG_FORMAT=json), names the request id
+    # the gateway answered with.
+    request_id = served.headers["x-request-id"]
+
+    def engine_lines() -> list[dict]:
+        # Whole lines only: the agents are still writing.
+        lines = [
+            json.loads(line)
+            for name in ("agent1", "agent2")
+            for line in stack["logs"][name].read_text().split("\n")[:-1]
+        ]
+        return [line for line in lines if line.get("request_id") == request_id]
+
+    wait_until(lambda: engine_lines(), timeout=10, message=stack["tail"])
+    [line] = engine_lines()
+    assert (line["logger"], line["path"], line["status"]) == (
+        "engine.server",
+        "/v1/chat/completions",
+        200,
+    )
     readiness = [
         httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).status_code
         for port in stack["agents_http"]

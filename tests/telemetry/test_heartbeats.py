@@ -19,6 +19,8 @@ from contracts.streams import (
     AgentState,
     CommandResult,
     CommandStatus,
+    EngineError,
+    EngineFailure,
 )
 from controlplane.audit.models import AuditEvent
 from controlplane.core.redis_clients import stream_reader
@@ -93,6 +95,44 @@ def test_heartbeat_updates_the_agent_and_its_rollup(redis_client, users) -> None
     assert (sample.energy_joules_min, sample.energy_joules_max) == (40.0, 80.0)
     assert (sample.generated_tokens_total_min, sample.generated_tokens_total_max) == (20, 40)
     assert pending(redis_client) == 0
+
+
+def test_an_engine_error_reaches_the_agent_row_the_api_and_the_fleet_page(
+    redis_client, client_for
+) -> None:
+    register()
+    ingestor = make_ingestor(redis_client)
+    sent_at = recent_minute()
+    failure = EngineError(EngineFailure.KILLED, "killed by SIGKILL: CUDA out of memory")
+    publish(
+        redis_client,
+        heartbeat(
+            seq=1,
+            sent_at=sent_at,
+            endpoint="",
+            state=AgentState.FAILED,
+            detail="engine exited unexpectedly: killed by SIGKILL",
+            engine_error=failure,
+        ),
+        entry_id_at(sent_at),
+    )
+    drain(ingestor)
+    agent = Agent.objects.get(name="agent-1")
+    assert (agent.engine_error, agent.engine_error_message) == ("killed", failure.message)
+    client = client_for("viewer")
+    [row] = client.get("/api/v1/fleet/agents/").json()["results"]
+    assert row["engine_error"] == {"reason": "killed", "message": failure.message}
+    page = client.get("/fleet/").content.decode()
+    assert f'title="{failure.message}">engine killed</span>' in page
+
+    # An engine serves again: the agent stops reporting it, and so does the control plane.
+    publish(redis_client, heartbeat(seq=2, sent_at=sent_at + 1), entry_id_at(sent_at + 1))
+    drain(ingestor)
+    agent.refresh_from_db()
+    assert (agent.engine_error, agent.engine_error_message) == ("", "")
+    [row] = client.get("/api/v1/fleet/agents/").json()["results"]
+    assert row["engine_error"] is None
+    assert 'data-field="engine_error"' not in client.get("/fleet/").content.decode()
 
 
 def test_redelivered_and_reordered_heartbeats_change_nothing(redis_client, users) -> None:
