@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -53,8 +54,10 @@ def test_a_process_refuses_to_start_on_an_unknown_exporter(tmp_path) -> None:
         timeout=60,
     )
     assert agent.returncode == 2
-    assert agent.stderr.strip() == (
-        "agent: OTEL_TRACES_EXPORTER: zipkin is not one of otlp, console or none"
+    line = json.loads(agent.stderr.strip().splitlines()[-1])  # logs are JSON by default
+    assert (line["level"], line["message"]) == (
+        "ERROR",
+        "agent: OTEL_TRACES_EXPORTER: zipkin is not one of otlp, console or none",
     )
 
 
