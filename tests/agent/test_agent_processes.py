@@ -302,9 +302,14 @@ def test_agent_serves_refuses_a_tampered_version_and_is_lost_when_killed(
             LOG_LEVEL="INFO",
         ) as agent,
     ):
-        # It registers with its inventory, and its heartbeats reach the database.
+        # It registers with its inventory, and its heartbeats reach the database (the two
+        # run side by side: either can land first).
         wait_until(
-            lambda: (row := find_agent("agent-a")) is not None and row.last_seq > 0,
+            lambda: (
+                (row := find_agent("agent-a")) is not None
+                and row.last_seq > 0
+                and "kind" in row.inventory
+            ),
             timeout=60,
             message=logs(agent_log, ingest_log),
         )
