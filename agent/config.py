@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from contracts.engine_identity import engine_endpoint, is_valid_host
-from contracts.streams import HEARTBEAT_INTERVAL_S, ContractError, validate_agent_name
+from contracts.streams import (
+    ENGINE_NAMES,
+    HEARTBEAT_INTERVAL_S,
+    ContractError,
+    validate_agent_name,
+)
 
 ENERGY_SOURCE_CHOICES = ("auto", "nvml", "rapl", "estimate")
 
@@ -28,6 +33,11 @@ class AgentConfig:
     advertise_host: str = "127.0.0.1"  # how others reach this agent's engine
     bind_host: str = "127.0.0.1"
     engine_command: tuple[str, ...] = field(default_factory=default_engine_command)
+    # engine name -> the command that starts it, instead of its adapter's default
+    # (agent/engines/); `builtin`'s is engine_command.
+    engine_commands: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # The already-running OpenAI-compatible server the `openai` engine supervises.
+    openai_base_url: str = ""
     engine_threads: int = 1
     engine_ready_timeout_s: float = 300.0
     drain_timeout_s: float = 60.0
@@ -68,6 +78,18 @@ class AgentConfig:
             raise ValueError("a token is required (--token, --token-file or AGENT_TOKEN)")
         if not self.engine_command:
             raise ValueError("--engine-command must not be empty")
+        for engine, command in self.engine_commands.items():
+            if engine not in ENGINE_NAMES or engine in ("builtin", "openai"):
+                raise ValueError(
+                    f"--engine-command-for: {engine!r} is not an engine the agent starts "
+                    f"(vllm, sglang, llama.cpp; builtin's is --engine-command)"
+                )
+            if not command:
+                raise ValueError(f"--engine-command-for {engine}: the command is empty")
+        if self.openai_base_url and not self.openai_base_url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"--openai-base-url must be an http(s) URL, got {self.openai_base_url!r}"
+            )
         if self.engine_threads < 1:
             raise ValueError("--threads must be at least 1")
         if self.heartbeat_interval_s <= 0:
@@ -90,6 +112,11 @@ class AgentConfig:
         return self.state_dir / "artifacts"
 
     @property
+    def hf_dir(self) -> Path:
+        """GGUF artifacts written out as folders, for engines that load only folders."""
+        return self.state_dir / "hf"
+
+    @property
     def log_dir(self) -> Path:
         return self.state_dir / "logs"
 
@@ -99,3 +126,14 @@ class AgentConfig:
 
 def parse_engine_command(text: str) -> tuple[str, ...]:
     return tuple(shlex.split(text))
+
+
+def parse_engine_commands(values: list[str]) -> dict[str, tuple[str, ...]]:
+    """ENGINE=COMMAND pairs (--engine-command-for, repeatable)."""
+    commands = {}
+    for value in values:
+        engine, separator, command = value.partition("=")
+        if not separator or not engine:
+            raise ValueError(f"--engine-command-for must be ENGINE=COMMAND, got {value!r}")
+        commands[engine] = parse_engine_command(command)
+    return commands

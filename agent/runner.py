@@ -34,6 +34,8 @@ from agent.config import AgentConfig
 from agent.control_plane import ArtifactError, ControlPlaneClient, ControlPlaneError
 from agent.energy import EnergyMeter, choose_energy_meter
 from agent.engine_process import EngineProcess, EngineSpec, EngineStartError
+from agent.engines import EngineAdapter, Readiness, adapter_for
+from agent.engines.convert import hf_folder_for
 from agent.http_server import AgentHttpServer
 from agent.inventory import accelerator_inventory
 from agent.metrics import AgentMetrics
@@ -298,7 +300,7 @@ class Agent:
         if engine is None or engine.is_stopping:
             return
         if engine.is_running():
-            if engine.health() != "failed":
+            if engine.health() is not Readiness.FAILED:
                 return
             why = f"engine failed: {engine.log_tail(300)}"
         else:
@@ -322,24 +324,26 @@ class Agent:
             current, retiring = self.current, list(self.retiring)
             state, detail, load, faults = self.state, self.detail, self.current_load, self.faults
         engines = [engine for engine in [current, *retiring] if engine is not None]
-        stats = {str(engine.pid): engine.stats() for engine in engines}
-        figures = self.telemetry.observe(stats)
+        snapshots = {engine.key: engine.scrape() for engine in engines}
+        figures = self.telemetry.observe(snapshots)
         now = time.monotonic()
         joules = self.energy.joules()
         last_time, last_joules = self._last_energy
         self._last_energy = (now, joules)
         interval = max(now - last_time, 1e-6)
         energy = max(0.0, joules - last_joules)
-        current_stats = stats.get(str(current.pid)) if current else None
-        running = sum(_int_stat(s, "running") for s in stats.values())
-        waiting = sum(_int_stat(s, "waiting") for s in stats.values())
-        kv_cache_usage = min(1.0, max(0.0, _float_stat(current_stats, "kv_cache_usage")))
+        current_snapshot = snapshots.get(current.key) if current else None
+        running = sum(round(s.running) for s in snapshots.values() if s and s.running > 0)
+        waiting = sum(round(s.waiting) for s in snapshots.values() if s and s.waiting > 0)
+        kv_usage = current_snapshot.kv_cache_usage if current_snapshot else 0.0
+        kv_cache_usage = min(1.0, max(0.0, kv_usage))
         self.metrics.observe_interval(
             running=running,
             waiting=waiting,
             kv_cache_usage=kv_cache_usage,
             prompt_tokens=figures.prompt_tokens,
             generated_tokens=figures.generated_tokens,
+            preemptions=figures.preemptions,
             joules=energy,
             version_id=load.version_id if load else None,
         )
@@ -608,6 +612,7 @@ class Agent:
                 and previous_load is not None
                 and previous_load.digest == load.digest
                 and previous_load.serving_config == load.serving_config
+                and previous_load.engine == load.engine
                 # The engine requires its own load's secrets: the routing table names the
                 # newest load's, so a load with new ones starts a new engine.
                 and previous_load.serving_secret == load.serving_secret
@@ -624,7 +629,7 @@ class Agent:
                 self.detail = f"load of version {load.version_id} failed: {exc}"
             raise
         # Before the heartbeat can see it: its warm-up is not traffic.
-        self.telemetry.begin_engine(str(engine.pid), engine.stats(), time.time())
+        self.telemetry.begin_engine(engine.key, engine.scrape())
         with self._lock:
             old, self.current, self.current_load = self.current, engine, load
             self.state, self.detail = AgentState.READY, ""
@@ -661,12 +666,16 @@ class Agent:
         self.metrics.observe_load_phase("verify", time.monotonic() - started)
         started = time.monotonic()
         try:
+            adapter = self._adapter(load.engine)
             path = self.control_plane.fetch_artifact(
                 digest=load.digest,
                 suffix=ARTIFACT_SUFFIXES.get(load.format, ""),
                 cache_dir=self.config.artifact_dir,
             )
-        except ArtifactError as exc:
+            if path.is_file() and "gguf" not in adapter.formats and load.format == "gguf":
+                path = hf_folder_for(path, digest=load.digest, cache_dir=self.config.hf_dir)
+            adapter.check_model_path(path)
+        except (ArtifactError, EngineStartError) as exc:
             raise CommandFailed(str(exc)) from exc
         self.metrics.observe_load_phase("fetch", time.monotonic() - started)
         with self._lock:
@@ -677,6 +686,8 @@ class Agent:
         if not free:
             raise CommandFailed("both engine ports are busy (a previous engine is still draining)")
         port = free[0]
+        if not adapter.supports_faults:
+            faults = FaultsPayload(latency_ms_per_token=0.0, error_rate=0.0)
         spec = EngineSpec(
             model_path=path,
             serving_config=dict(load.serving_config),
@@ -689,20 +700,32 @@ class Agent:
             secrets=EngineSecrets(serving=load.serving_secret, admin=load.admin_secret),
             agent_name=self.config.name,
             gpu_index=self.config.gpu_index,
+            drain_timeout_s=self.config.drain_timeout_s,
         )
+        endpoint, base_url = self.config.endpoint_for(port), None
+        if not adapter.starts_process:
+            if not self.config.openai_base_url:
+                raise CommandFailed(
+                    f"the {adapter.name} engine needs --openai-base-url on this agent"
+                )
+            endpoint = base_url = self.config.openai_base_url.rstrip("/")
         try:
             engine = EngineProcess(
-                command=self.config.engine_command,
+                adapter=adapter,
                 spec=spec,
                 log_path=self.config.log_dir / f"engine-{port}.log",
-                endpoint=self.config.endpoint_for(port),
+                endpoint=endpoint,
+                base_url=base_url,
             )
         except EngineStartError as exc:
             raise CommandFailed(str(exc)) from exc
         with self._lock:
             self.state = AgentState.WARMING
         started = time.monotonic()
-        engine.start()
+        try:
+            engine.start()
+        except OSError as exc:
+            raise CommandFailed(f"could not start the {adapter.name} engine: {exc}") from exc
         try:
             engine.wait_ready(self.config.engine_ready_timeout_s, self.stop_event.is_set)
         except EngineStartError as exc:
@@ -710,6 +733,11 @@ class Agent:
             raise CommandFailed(str(exc)) from exc
         self.metrics.observe_load_phase("warm", time.monotonic() - started)
         return engine
+
+    def _adapter(self, engine: str) -> EngineAdapter:
+        if engine == "builtin":
+            return adapter_for(engine, self.config.engine_command)
+        return adapter_for(engine, self.config.engine_commands.get(engine))
 
     def drain(self, version_id: int | None = None) -> str:
         """Drain the engine; with `version_id`, only if that is the version it serves."""
@@ -742,8 +770,10 @@ class Agent:
 
     def set_faults(self, faults: FaultsPayload) -> str:
         with self._lock:
-            self.faults = faults
             engine = self.current
+            if engine is not None and not engine.adapter.supports_faults:
+                raise CommandFailed(f"the {engine.engine} engine takes no injected faults")
+            self.faults = faults
         if engine is not None:
             try:
                 engine.set_faults(
@@ -767,13 +797,3 @@ class Agent:
 
 def _replace(result: CommandResult, **changes: Any) -> CommandResult:
     return CommandResult(**{**asdict(result), **changes})
-
-
-def _int_stat(stats: dict[str, Any] | None, name: str) -> int:
-    value = (stats or {}).get(name, 0)
-    return int(value) if isinstance(value, int | float) and value >= 0 else 0
-
-
-def _float_stat(stats: dict[str, Any] | None, name: str) -> float:
-    value = (stats or {}).get(name, 0.0)
-    return float(value) if isinstance(value, int | float) else 0.0

@@ -78,6 +78,10 @@ AGENT_NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 DIGEST_PATTERN = re.compile(r"^[0-9a-f]{64}$")
 # An engine secret as the control plane derives it: an HMAC-SHA256, in hex.
 ENGINE_SECRET_PATTERN = re.compile(r"^[0-9a-f]{64}$")
+# The serving engines an agent can start for a version (agent/engines/ has one adapter each);
+# a load command without `engine` is for our own.
+ENGINE_NAMES = ("builtin", "vllm", "sglang", "llama.cpp", "openai")
+DEFAULT_ENGINE = "builtin"
 ENDPOINT_PATTERN = re.compile(r"https?://[^\s/]+(:\d+)?/?")
 
 # Upper bounds that keep every accepted value storable (PostgreSQL bigint and integer
@@ -497,6 +501,7 @@ class LoadPayload:
     served_model_name: str
     serving_secret: str = field(default="", repr=False)
     admin_secret: str = field(default="", repr=False)
+    engine: str = DEFAULT_ENGINE  # which engine serves it (ENGINE_NAMES)
 
 
 @dataclass(slots=True, frozen=True)
@@ -666,6 +671,11 @@ def parse_load_payload(payload: Mapping[str, Any]) -> LoadPayload:
             raise ContractError(f"payload.{name}: must be 64 lowercase hex characters")
     if secrets["serving_secret"] == secrets["admin_secret"]:
         raise ContractError("payload.admin_secret: must differ from serving_secret")
+    engine = DEFAULT_ENGINE
+    if "engine" in payload:
+        engine = _payload_value(payload, "engine", str)
+        if engine not in ENGINE_NAMES:
+            raise ContractError(f"payload.engine: must be one of {', '.join(ENGINE_NAMES)}")
     return LoadPayload(
         version_id=version_id,
         model=_payload_value(payload, "model", str),
@@ -678,6 +688,7 @@ def parse_load_payload(payload: Mapping[str, Any]) -> LoadPayload:
         key_id=_payload_value(payload, "key_id", str),
         public_key=_payload_value(payload, "public_key", str),
         served_model_name=_payload_value(payload, "served_model_name", str),
+        engine=engine,
         **secrets,
     )
 
