@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench services browser venv clean flake-hunt
+.PHONY: demo test lint bench services browser venv clean flake-hunt engine-envs
 
 venv: $(STAMP)
 
@@ -25,6 +25,11 @@ services:
 browser: venv
 	@scripts/ensure_browser.sh
 
+# The serving engines that run in environments of their own (their pins clash with ours),
+# built once under the user's cache: vLLM's CPU build (about 3.5 GB; a minute or two).
+engine-envs: venv
+	@scripts/ensure_engine_env.sh vllm >/dev/null
+
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -32,7 +37,7 @@ lint: venv
 	DATABASE_URL=sqlite:///:memory: DJANGO_SETTINGS_MODULE=controlplane.settings_test \
 		$(BIN)/python manage.py makemigrations --check --dry-run
 
-test: venv services browser lint
+test: venv services browser engine-envs lint
 	$(BIN)/pytest
 
 demo: venv

@@ -11,6 +11,7 @@ import ctypes
 import itertools
 import logging
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
 IDLE_POLL_S = 0.2
 _keys = itertools.count(1)
+ERROR_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception): ")
 
 __all__ = ["EngineProcess", "EngineSpec", "EngineStartError"]
 
@@ -115,6 +117,17 @@ class EngineProcess:
             return ""
         return text.strip()
 
+    def failure(self) -> str:
+        """Why it failed, for a result's detail: the first exception line it logged (the
+        root cause, which a long traceback pushes far above its tail), then the tail."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        errors = [line.strip() for line in lines if ERROR_LINE.search(line)]
+        tail = self.log_tail()
+        return f"{errors[0][-300:]} ... {tail}" if errors and errors[0] not in tail else tail
+
     def _authorization(self, path: str) -> dict[str, str]:
         """The admin secret for /admin/* (ours), the serving secret for the rest."""
         is_admin = path.startswith("/admin/")
@@ -144,12 +157,12 @@ class EngineProcess:
                 raise EngineStartError("the agent is shutting down")
             code = self.exit_code()
             if code is not None:
-                raise EngineStartError(f"engine exited with code {code}: {self.log_tail()}")
+                raise EngineStartError(f"engine exited with code {code}: {self.failure()}")
             readiness = self.health()
             if readiness is Readiness.READY:
                 return
             if readiness is Readiness.FAILED:
-                raise EngineStartError(f"engine failed while starting: {self.log_tail()}")
+                raise EngineStartError(f"engine failed while starting: {self.failure()}")
             time.sleep(0.2)
         raise EngineStartError(f"engine not ready within {timeout_s:.0f}s: {self.log_tail()}")
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.engine_process import EngineProcess
 from agent.engines import ADAPTERS, EngineSpec, EngineStartError, adapter_for
 from agent.engines.builtin import BuiltinAdapter
 from agent.engines.llamacpp import LlamaCppAdapter
@@ -216,3 +217,18 @@ def test_the_load_command_names_its_engine_or_means_ours() -> None:
         parse_load_payload({**payload, "engine": "tgi"})
     with pytest.raises(ContractError, match=r"payload\.engine: wrong type int"):
         parse_load_payload({**payload, "engine": 1})
+
+
+def test_a_failed_start_is_reported_with_its_root_cause(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    log.write_text(
+        "(Worker) ERROR ValueError: No common block size for 16 (CPU_ATTN: [MultipleOf(32)]).\n"
+        + "  File x.py, line 1, in f\n" * 40
+        + "RuntimeError: Engine core initialization failed. See root cause above.\n"
+    )
+    engine = EngineProcess(
+        adapter=VllmAdapter(), spec=spec(), log_path=log, endpoint="http://127.0.0.1:18000"
+    )
+    failure = engine.failure()
+    assert failure.startswith("(Worker) ERROR ValueError: No common block size for 16")
+    assert failure.endswith("See root cause above.")
