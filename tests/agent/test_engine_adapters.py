@@ -5,7 +5,12 @@ from)."""
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
+import json
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,7 +21,8 @@ from agent.engines.llamacpp import LlamaCppAdapter
 from agent.engines.openai import OpenAIAdapter
 from agent.engines.prometheus import Histogram, MetricsTextError, read_snapshot
 from agent.engines.sglang import SglangAdapter
-from agent.engines.vllm import VLLM_METRICS, VllmAdapter
+from agent.engines.vllm import PLUGINS_DIR, VLLM_METRICS, VllmAdapter
+from contracts.engine_identity import is_identity_proof_valid, new_nonce
 from contracts.streams import ENGINE_NAMES, ContractError, parse_load_payload
 from engine.config import EngineSecrets
 
@@ -84,10 +90,14 @@ def test_vllm_gets_its_flags_its_api_key_and_a_drain_as_long_as_the_agents() -> 
     assert flag(command, "--max-num-batched-tokens") == "256"
     assert flag(command, "--served-model-name") == "smol"
     assert flag(command, "--shutdown-timeout") == "30"  # SIGTERM drains for this long
+    assert flag(command, "--middleware") == "fleet_engine_identity.IdentityMiddleware"
     environment = adapter.environment(spec())
     assert environment["VLLM_API_KEY"] == SECRETS.serving
-    assert SECRETS.admin not in environment.values()
-    assert SECRETS.serving not in " ".join(command)
+    # for its GET /identity (the middleware, found on its PYTHONPATH)
+    assert environment["ENGINE_ADMIN_SECRET"] == SECRETS.admin
+    assert environment["ENGINE_AGENT_NAME"] == "agent-1"
+    assert environment["PYTHONPATH"].split(os.pathsep)[0] == str(PLUGINS_DIR)
+    assert SECRETS.serving not in " ".join(command) and SECRETS.admin not in " ".join(command)
     with pytest.raises(EngineStartError, match="dtype 'int8': the vllm engine takes"):
         adapter.command(spec(serving_config={**CONFIG, "dtype": "int8"}))
 
@@ -232,3 +242,56 @@ def test_a_failed_start_is_reported_with_its_root_cause(tmp_path: Path) -> None:
     failure = engine.failure()
     assert failure.startswith("(Worker) ERROR ValueError: No common block size for 16")
     assert failure.endswith("See root cause above.")
+
+
+def identity_middleware() -> Any:
+    """The middleware as vLLM imports it: from its own folder, not as part of the agent."""
+    path = PLUGINS_DIR / "fleet_engine_identity.py"
+    module_spec = importlib.util.spec_from_file_location("fleet_engine_identity", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.IdentityMiddleware
+
+
+def call(app: Any, path: str, query: str = "") -> tuple[int, Any]:
+    """One GET through an ASGI app: its status and its body (JSON, else text)."""
+    scope = {"type": "http", "method": "GET", "path": path, "query_string": query.encode()}
+    messages: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        messages.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
+    status = messages[0]["status"]
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, body.decode()
+
+
+async def engine_app(scope: Any, receive: Any, send: Any) -> None:
+    """What vLLM would answer (the middleware passes everything else on)."""
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": f"engine {scope['path']}".encode()})
+
+
+def test_vllm_answers_for_its_agent_as_our_engine_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ENGINE_ADMIN_SECRET", SECRETS.admin)
+    monkeypatch.setenv("ENGINE_AGENT_NAME", "agent-1")
+    app = identity_middleware()(engine_app)
+    nonce = new_nonce()
+    status, body = call(app, "/identity", f"nonce={nonce}")
+    assert status == 200 and body["agent"] == "agent-1"
+    assert is_identity_proof_valid(
+        admin_secret=SECRETS.admin, agent="agent-1", nonce=nonce, proof=body["proof"]
+    )
+    status, body = call(app, "/identity", "nonce=xyz")
+    assert (status, body["error"]["code"]) == (400, "invalid_nonce")
+    assert call(app, "/v1/models") == (200, "engine /v1/models")
+    monkeypatch.delenv("ENGINE_ADMIN_SECRET")
+    assert call(identity_middleware()(engine_app), "/identity", f"nonce={nonce}")[0] == 503

@@ -1,6 +1,7 @@
 """A real agent serves SmolLM2 through vLLM's CPU build: it writes the GGUF out as a folder,
-starts vLLM from its own environment, reports ready, its heartbeats carry vLLM's figures,
-and a drain lets vLLM finish before it exits.
+starts vLLM from its own environment, reports ready, vLLM proves its identity to the
+control plane, its heartbeats carry vLLM's figures, and a drain lets vLLM finish before
+it exits.
 
 vLLM takes about a minute to start on two cores: the one test below starts it once.
 Skipped when its environment is not built (`make engine-envs` builds it; `make test` does
@@ -31,6 +32,7 @@ from contracts.streams import (
     parse_heartbeat,
 )
 from controlplane.fleet.command_signing import command_sign
+from controlplane.fleet.endpoint_checks import CheckResult, endpoint_challenge
 from controlplane.fleet.engine_secrets import engine_secrets_payload
 from tests.agent.test_agent_processes import (
     MODEL_FILE,
@@ -160,6 +162,11 @@ def serve_through_vllm(
         }
         url = f"{endpoint}/v1/chat/completions"
         assert httpx.post(url, json=question, timeout=30).status_code == 401
+        # It proves to the control plane which agent it serves for, as our engine does.
+        challenge = endpoint_challenge(
+            endpoint=endpoint, agent_name=name, admin_secret=secrets["admin_secret"]
+        )
+        assert challenge is CheckResult.OK
         serving = {"Authorization": f"Bearer {secrets['serving_secret']}"}
         answer = httpx.post(url, json=question, headers=serving, timeout=120)
         assert answer.status_code == 200, answer.text
