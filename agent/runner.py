@@ -683,6 +683,8 @@ class Agent:
             faults = self.faults
         ports = [self.config.port, self.config.port + 1]
         free = [port for port in ports if port not in in_use]
+        if not adapter.starts_process:
+            free = self._external_port(ports)
         if not free:
             raise CommandFailed("both engine ports are busy (a previous engine is still draining)")
         port = free[0]
@@ -702,13 +704,8 @@ class Agent:
             gpu_index=self.config.gpu_index,
             drain_timeout_s=self.config.drain_timeout_s,
         )
-        endpoint, base_url = self.config.endpoint_for(port), None
-        if not adapter.starts_process:
-            if not self.config.openai_base_url:
-                raise CommandFailed(
-                    f"the {adapter.name} engine needs --openai-base-url on this agent"
-                )
-            endpoint = base_url = self.config.openai_base_url.rstrip("/")
+        endpoint = self.config.endpoint_for(port)
+        base_url = None if adapter.starts_process else endpoint
         try:
             engine = EngineProcess(
                 adapter=adapter,
@@ -733,6 +730,21 @@ class Agent:
             raise CommandFailed(str(exc)) from exc
         self.metrics.observe_load_phase("warm", time.monotonic() - started)
         return engine
+
+    def _external_port(self, ports: list[int]) -> list[int]:
+        """The port of the running server the `openai` engine stands for: it must be one of
+        this agent's endpoints, the only ones the control plane routes to."""
+        url = self.config.openai_base_url.rstrip("/")
+        if not url:
+            raise CommandFailed("the openai engine needs --openai-base-url on this agent")
+        matching = [port for port in ports if self.config.endpoint_for(port) == url]
+        if not matching:
+            endpoints = ", ".join(self.config.endpoint_for(port) for port in ports)
+            raise CommandFailed(
+                f"--openai-base-url {url} is not one of this agent's endpoints ({endpoints}): "
+                "the control plane routes to no other"
+            )
+        return matching
 
     def _adapter(self, engine: str) -> EngineAdapter:
         if engine == "builtin":

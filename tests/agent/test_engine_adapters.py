@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from agent.config import AgentConfig
 from agent.engine_process import EngineProcess
 from agent.engines import ADAPTERS, EngineSpec, EngineStartError, adapter_for
 from agent.engines.builtin import BuiltinAdapter
@@ -22,6 +23,7 @@ from agent.engines.openai import OpenAIAdapter
 from agent.engines.prometheus import Histogram, MetricsTextError, read_snapshot
 from agent.engines.sglang import SglangAdapter
 from agent.engines.vllm import PLUGINS_DIR, VLLM_METRICS, VllmAdapter
+from agent.runner import Agent, CommandFailed
 from contracts.engine_identity import is_identity_proof_valid, new_nonce
 from contracts.streams import ENGINE_NAMES, ContractError, parse_load_payload
 from engine.config import EngineSecrets
@@ -295,3 +297,23 @@ def test_vllm_answers_for_its_agent_as_our_engine_does(monkeypatch: pytest.Monke
     assert call(app, "/v1/models") == (200, "engine /v1/models")
     monkeypatch.delenv("ENGINE_ADMIN_SECRET")
     assert call(identity_middleware()(engine_app), "/identity", f"nonce={nonce}")[0] == 503
+
+
+def test_an_openai_endpoint_must_be_one_the_control_plane_routes_to(tmp_path: Path) -> None:
+    def agent(base_url: str) -> Agent:
+        config = AgentConfig(
+            name="agent-1",
+            port=18000,
+            redis_url="redis://127.0.0.1:1/0",  # never reached: nothing here calls Redis
+            control_plane_url="http://127.0.0.1:1",
+            token="token",
+            state_dir=tmp_path,
+            openai_base_url=base_url,
+        )
+        return Agent(config)
+
+    assert agent("http://127.0.0.1:18001/")._external_port([18000, 18001]) == [18001]
+    with pytest.raises(CommandFailed, match="is not one of this agent's endpoints"):
+        agent("http://127.0.0.1:9000")._external_port([18000, 18001])
+    with pytest.raises(CommandFailed, match="needs --openai-base-url"):
+        agent("")._external_port([18000, 18001])
