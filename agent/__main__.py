@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
         "its default (repeatable; docs/engine-backends.md)",
     )
     parser.add_argument(
+        "--hf-cache-dir",
+        help="where GGUF versions are written out as folders for engines that load only "
+        "folders (default STATE_DIR/hf; a fixed path lets vLLM reuse its compiled graphs)",
+    )
+    parser.add_argument(
         "--openai-base-url",
         default=os.environ.get("AGENT_OPENAI_BASE_URL", ""),
         help="the running OpenAI-compatible server that versions on the `openai` engine use",
@@ -140,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             engine_command=parse_engine_command(options.engine_command),
             engine_commands=parse_engine_commands(options.engine_command_for),
             openai_base_url=options.openai_base_url,
+            hf_cache_dir=Path(options.hf_cache_dir) if options.hf_cache_dir else None,
             engine_threads=options.threads,
             engine_ready_timeout_s=options.engine_ready_timeout,
             drain_timeout_s=options.drain_timeout,

@@ -38,6 +38,9 @@ class AgentConfig:
     engine_commands: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # The already-running OpenAI-compatible server the `openai` engine supervises.
     openai_base_url: str = ""
+    # GGUF artifacts written out as folders (engines that load only folders); None: in
+    # state_dir. Content-addressed, so agents of one host may share one.
+    hf_cache_dir: Path | None = None
     engine_threads: int = 1
     engine_ready_timeout_s: float = 300.0
     drain_timeout_s: float = 60.0
@@ -114,7 +117,7 @@ class AgentConfig:
     @property
     def hf_dir(self) -> Path:
         """GGUF artifacts written out as folders, for engines that load only folders."""
-        return self.state_dir / "hf"
+        return self.hf_cache_dir or self.state_dir / "hf"
 
     @property
     def log_dir(self) -> Path:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -78,7 +79,8 @@ def export_hf_folder(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") ->
 
     checkpoint = load_gguf(gguf_path)
     tokenizer = TextTokenizer(checkpoint.tokenizer_source)
-    partial = out_dir.with_name(out_dir.name + ".partial")
+    # Its own partial folder: two agents of one host may write the same folder at once.
+    partial = out_dir.with_name(f"{out_dir.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     weights = {
@@ -100,8 +102,16 @@ def export_hf_folder(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") ->
     }
     (partial / "generation_config.json").write_text(json.dumps(generation, indent=2))
     (partial / STAMP).write_text(f"{gguf_path.name} {dtype}\n")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    partial.rename(out_dir)
+    if (out_dir / STAMP).exists():  # another writer finished first: the same bytes
+        shutil.rmtree(partial)
+        return out_dir
+    shutil.rmtree(out_dir, ignore_errors=True)  # an unfinished one
+    try:
+        partial.rename(out_dir)
+    except OSError:
+        if not (out_dir / STAMP).exists():
+            raise
+        shutil.rmtree(partial)  # another writer renamed its own in between
     return out_dir
 
 
