@@ -6,7 +6,9 @@ layout) and the tokenizer is the one contracts/tokenizer.py builds from the GGUF
 
     python -m engine.hf_export smollm2 OUT_DIR [--dtype bfloat16]
 
-Idempotent: a folder holding a finished export (its stamp file, written last) is left as is.
+The folder registers as an `hf-safetensors` artifact as it is (docs/engines.md): every file
+it writes is of a type the registry takes. Idempotent: a folder holding a finished export
+(its stamp, hf_export.json, written last) is left as is.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from contracts.tokenizer import TextTokenizer
 from engine.loader import Checkpoint, load_gguf, resolve_model_path
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-STAMP = ".hf-export"
+STAMP = "hf_export.json"  # what it was written from; written last
 
 
 def hf_config(checkpoint: Checkpoint, dtype: str) -> dict[str, Any]:
@@ -101,7 +103,7 @@ def export_hf_folder(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") ->
         "eos_token_id": source.get("eos_token_id"),
     }
     (partial / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    (partial / STAMP).write_text(f"{gguf_path.name} {dtype}\n")
+    (partial / STAMP).write_text(json.dumps({"source": gguf_path.name, "dtype": dtype}))
     if (out_dir / STAMP).exists():  # another writer finished first: the same bytes
         shutil.rmtree(partial)
         return out_dir

@@ -1,7 +1,9 @@
-"""A real agent serves SmolLM2 through vLLM's CPU build: it writes the GGUF out as a folder,
-starts vLLM from its own environment, reports ready, vLLM proves its identity to the
-control plane, its heartbeats carry vLLM's figures, and a drain lets vLLM finish before
-it exits.
+"""A real agent serves SmolLM2 through vLLM's CPU build: the GGUF written out as a folder
+(engine/hf_export.py) is registered as a folder version on the vllm engine, with engine
+arguments; the agent loads it through the fleet API, verifies it file by file, starts vLLM
+from its own environment with those arguments as flags, reports ready, vLLM proves its
+identity to the control plane, its heartbeats carry vLLM's figures, and a drain lets vLLM
+finish before it exits.
 
 vLLM takes about a minute to start on two cores: the one test below starts it once.
 Skipped when its environment is not built (`make engine-envs` builds it; `make test` does
@@ -10,7 +12,8 @@ first).
 
 from __future__ import annotations
 
-import dataclasses
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,20 +23,17 @@ import pytest
 from django.conf import settings
 from django.test import override_settings
 
-from agent.engines.vllm import VllmAdapter, engines_cache_dir, vllm_cpu_python
+from agent.engines.vllm import VllmAdapter, vllm_cpu_python
 from contracts.streams import (
     HEARTBEATS_STREAM,
     RESULTS_STREAM,
-    CommandKind,
     Heartbeat,
-    commands_stream,
-    new_command,
     parse_command_result,
     parse_heartbeat,
 )
-from controlplane.fleet.command_signing import command_sign
 from controlplane.fleet.endpoint_checks import CheckResult, endpoint_challenge
 from controlplane.fleet.engine_secrets import engine_secrets_payload
+from controlplane.registry import services as registry_services
 from tests.agent.test_agent_processes import (
     MODEL_FILE,
     SERVING_CONFIG,
@@ -41,6 +41,7 @@ from tests.agent.test_agent_processes import (
     agent_args,
     find_agent,
     free_port_pair,
+    log_records,
     logs,
     running,
 )
@@ -59,19 +60,33 @@ pytestmark = [
 VLLM_READY_S = 420.0
 # vLLM's CPU attention takes KV blocks of a multiple of 32 tokens only
 VLLM_CONFIG = {**SERVING_CONFIG, "dtype": "bfloat16", "kv_block_size": 32}
+# No torch.compile at the start (minutes on two cores, keyed by the model's path, which is
+# the agent's copy of the folder): the engine argument, signed with the version.
+VLLM_ARGS = {"enforce_eager": True}
 
 
-def send_command(client: Any, agent: str, kind: CommandKind, payload: dict[str, Any]) -> str:
-    """A command as the control plane sends one (signed for `agent`, a load with its engine
-    secrets), written to the agent's stream directly: the fleet API does not take an
-    engine yet (the version will say it)."""
-    wire = new_command(kind, payload)
-    if kind is CommandKind.LOAD:
-        secrets = engine_secrets_payload(agent_name=agent, command_id=wire.command_id)
-        wire = dataclasses.replace(wire, payload={**payload, **secrets})
-    wire = command_sign(wire, agent_name=agent)
-    client.xadd(commands_stream(agent), wire.to_fields())
-    return wire.command_id
+def vllm_version(fleet: Fleet, tmp_path: Path) -> Any:
+    """The GGUF written out as a folder, stored, registered on vllm, signed and verified."""
+    folder = tmp_path / "smollm2-hf"
+    command = [sys.executable, "-m", "engine.hf_export", str(MODEL_FILE), str(folder)]
+    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    artifact, _ = registry_services.artifact_store_folder(actor=None, path=folder)
+    assert artifact.format == "hf-safetensors"
+    version = registry_services.version_register(
+        actor=None,
+        model=fleet.model,
+        label="bf16-vllm",
+        artifact_digest=artifact.digest,
+        serving_config=VLLM_CONFIG,
+        engine="vllm",
+        engine_args=VLLM_ARGS,
+    )
+    signature = fleet.signer.sign(
+        artifact.digest, VLLM_CONFIG, engine="vllm", engine_args=VLLM_ARGS
+    )
+    return registry_services.version_verify(
+        actor=None, version=version, key_id=fleet.signer.key_id, signature=signature
+    )
 
 
 def final_result(client: Any, command_id: str) -> Any:
@@ -98,63 +113,37 @@ def test_an_agent_serves_through_vllm_and_heartbeats_carry_its_figures(
 ) -> None:
     with override_settings(ARTIFACT_ROOT=tmp_path / "store"):
         fleet = Fleet(tmp_path)
-        version = fleet.version("f32", MODEL_FILE)
-        serve_through_vllm(fleet, version, live_server, redis_client, tmp_path)
+        serve_through_vllm(fleet, vllm_version(fleet, tmp_path), live_server, redis_client)
 
 
-def serve_through_vllm(
-    fleet: Fleet, version: Any, live_server: Any, redis_client: Any, tmp_path: Path
-) -> None:
-    # Its own serving configuration for vLLM, signed by the release key as the registry's is.
-    signature = fleet.signer.sign(version.artifact_id, VLLM_CONFIG)
+def serve_through_vllm(fleet: Fleet, version: Any, live_server: Any, redis_client: Any) -> None:
     port = free_port_pair()
     name = "agent-vllm"
-    agent_log = tmp_path / "agent.log"
-    engine_log = tmp_path / name / "logs" / f"engine-{port}.log"
+    agent_log = fleet.tmp_path / "agent.log"  # vLLM's output too, through the agent's logging
     args = [
         *agent_args(name, port, settings.REDIS_URL, live_server.url, fleet),
         "--engine-ready-timeout",
         str(VLLM_READY_S),
-        # A fixed folder, so vLLM finds its compiled graphs of the previous session (its
-        # cache is keyed by the model's path): minutes less on two cores.
-        "--hf-cache-dir",
-        str(engines_cache_dir().parent / "models"),
     ]
     # vLLM's CPU build reserves this much memory for its KV cache (its default is larger).
     with running(args, agent_log, VLLM_CPU_KVCACHE_SPACE="1") as agent:
         wait_until(lambda: find_agent(name) is not None, timeout=60, message=logs(agent_log))
-        load = send_command(
-            redis_client,
-            name,
-            CommandKind.LOAD,
-            {
-                "version_id": version.pk,
-                "model": "smol",
-                "label": "bf16",
-                "digest": version.artifact_id,
-                "format": "gguf",
-                "size_bytes": MODEL_FILE.stat().st_size,
-                "serving_config": VLLM_CONFIG,
-                "signature": signature,
-                "key_id": fleet.signer.key_id,
-                "public_key": fleet.signer.public_key_b64,
-                "served_model_name": "smol",
-                "engine": "vllm",
-            },
-        )
+        load = fleet.command(name, kind="load", version_id=version.pk)["command_id"]
         wait_until(
             lambda: final_result(redis_client, load) is not None,
             timeout=VLLM_READY_S + 120,
             interval=1.0,
-            message=lambda: logs(agent_log, engine_log),
+            message=lambda: logs(agent_log),
         )
         result = final_result(redis_client, load)
-        assert result.status.value == "succeeded", logs(agent_log, engine_log)
+        assert result.status.value == "succeeded", logs(agent_log)
         endpoint = f"http://127.0.0.1:{port}"
         assert result.endpoint == endpoint
-        # The agent wrote the GGUF out as a folder for vLLM, named by the file's digest.
-        folder = engines_cache_dir().parent / "models" / f"{version.artifact_id}-bfloat16"
-        assert (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists()
+        # vLLM was given the agent's verified copy of the folder, and the version's arguments.
+        copy = fleet.tmp_path / name / "artifacts" / version.artifact_id
+        assert (copy / "model.safetensors").exists() and (copy / "tokenizer.json").exists()
+        started = [r for r in log_records(agent_log) if r["message"] == "engine started"]
+        assert [(r["engine"], r["engine_port"]) for r in started] == [("vllm", port)]
 
         # vLLM takes the load's serving secret as its API key, and nothing else.
         secrets = engine_secrets_payload(agent_name=name, command_id=load)
@@ -216,15 +205,15 @@ def serve_through_vllm(
             )
         )
         asking.start()
-        wait_until(lambda: vllm_running(endpoint) > 0, timeout=30, message=lambda: logs(engine_log))
-        drain = send_command(redis_client, name, CommandKind.DRAIN, {})
+        wait_until(lambda: vllm_running(endpoint) > 0, timeout=30, message=lambda: logs(agent_log))
+        drain = fleet.command(name, kind="drain")["command_id"]
         asking.join(timeout=120)
-        assert [reply.status_code for reply in replies] == [200], logs(engine_log)
+        assert [reply.status_code for reply in replies] == [200], logs(agent_log)
         assert replies[0].json()["usage"]["completion_tokens"] == 48
         wait_until(
             lambda: final_result(redis_client, drain) is not None,
             timeout=90,
-            message=lambda: logs(agent_log, engine_log),
+            message=lambda: logs(agent_log),
         )
         assert final_result(redis_client, drain).detail == "drained"
         with pytest.raises(httpx.HTTPError):
