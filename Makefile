@@ -31,7 +31,7 @@ promtool:
 
 # The serving engines that run in environments of their own (their pins clash with ours),
 # built once under the user's cache: vLLM's CPU build (about 3.5 GB; a minute or two).
-engine-envs: venv
+engine-envs:
 	@scripts/ensure_engine_env.sh vllm >/dev/null
 
 lint: venv

@@ -60,9 +60,10 @@ pytestmark = [
 VLLM_READY_S = 420.0
 # vLLM's CPU attention takes KV blocks of a multiple of 32 tokens only
 VLLM_CONFIG = {**SERVING_CONFIG, "dtype": "bfloat16", "kv_block_size": 32}
-# No torch.compile at the start (minutes on two cores, keyed by the model's path, which is
-# the agent's copy of the folder): the engine argument, signed with the version.
-VLLM_ARGS = {"enforce_eager": True}
+# An engine argument, signed with the version, that reaches vLLM's command line. (Not
+# enforce_eager, which would spare the torch.compile at its start: vLLM 0.32.0's CPU build
+# then answers SmolLM2 wrongly.)
+VLLM_ARGS = {"seed": 7}
 
 
 def vllm_version(fleet: Fleet, tmp_path: Path) -> Any:
@@ -126,7 +127,7 @@ def serve_through_vllm(fleet: Fleet, version: Any, live_server: Any, redis_clien
         str(VLLM_READY_S),
     ]
     # vLLM's CPU build reserves this much memory for its KV cache (its default is larger).
-    with running(args, agent_log, VLLM_CPU_KVCACHE_SPACE="1") as agent:
+    with running(args, agent_log, VLLM_CPU_KVCACHE_SPACE="1", LOG_FORMAT="json") as agent:
         wait_until(lambda: find_agent(name) is not None, timeout=60, message=logs(agent_log))
         load = fleet.command(name, kind="load", version_id=version.pk)["command_id"]
         wait_until(
@@ -144,6 +145,9 @@ def serve_through_vllm(fleet: Fleet, version: Any, live_server: Any, redis_clien
         assert (copy / "model.safetensors").exists() and (copy / "tokenizer.json").exists()
         started = [r for r in log_records(agent_log) if r["message"] == "engine started"]
         assert [(r["engine"], r["engine_port"]) for r in started] == [("vllm", port)]
+        command_line = Path(f"/proc/{started[0]['engine_pid']}/cmdline").read_bytes().split(b"\0")
+        assert command_line[command_line.index(b"--model") + 1] == str(copy).encode()
+        assert command_line[command_line.index(b"--seed") + 1] == b"7"
 
         # vLLM takes the load's serving secret as its API key, and nothing else.
         secrets = engine_secrets_payload(agent_name=name, command_id=load)
