@@ -1,10 +1,11 @@
 """An OpenAI-compatible server already running, that the agent neither starts nor stops.
 
-The agent supervises it (GET /v1/models with its API key answers 200: ready) and measures
-it from its /metrics when it has one, read with the series of whichever engine it is
-(vllm:*, sglang:* or llamacpp:*: the first family present). Routing to it stops when the
-agent drains; the server itself keeps running. It serves whatever model it was started
-with: the version's file is verified but not handed to it.
+Its address is the version's `engine_args.base_url` (signed with the version; the agent
+accepts only one of its own endpoints). The agent supervises it (GET /v1/models with its
+API key answers 200: ready) and measures it from its /metrics when it has one, read with
+the series of whichever engine it is (vllm:*, sglang:* or llamacpp:*: the first family
+present). Routing to it stops when the agent drains; the server itself keeps running. An
+openai version has no artifact: the server serves whatever model it was started with.
 """
 
 from __future__ import annotations
