@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench services browser promtool venv clean flake-hunt
+.PHONY: demo test lint bench services browser promtool venv clean flake-hunt engine-envs
 
 venv: $(STAMP)
 
@@ -29,6 +29,11 @@ browser: venv
 promtool:
 	@scripts/ensure_promtool.sh
 
+# The serving engines that run in environments of their own (their pins clash with ours),
+# built once under the user's cache: vLLM's CPU build (about 3.5 GB; a minute or two).
+engine-envs:
+	@scripts/ensure_engine_env.sh vllm >/dev/null
+
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -36,7 +41,7 @@ lint: venv
 	DATABASE_URL=sqlite:///:memory: DJANGO_SETTINGS_MODULE=controlplane.settings_test \
 		$(BIN)/python manage.py makemigrations --check --dry-run
 
-test: venv services browser promtool lint
+test: venv services browser promtool engine-envs lint
 	$(BIN)/pytest
 
 demo: venv

@@ -11,7 +11,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agent.config import ENERGY_SOURCE_CHOICES, AgentConfig, parse_engine_command
+from agent.config import (
+    ENERGY_SOURCE_CHOICES,
+    AgentConfig,
+    parse_engine_command,
+    parse_engine_commands,
+)
 from agent.credentials import CredentialsError, credentials_obtain
 from contracts.logs import logging_configure
 from contracts.tracing import tracing_configure
@@ -53,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bind-host", default="127.0.0.1")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     parser.add_argument("--engine-command", default=f"{sys.executable} -m engine serve")
+    parser.add_argument(
+        "--engine-command-for",
+        action="append",
+        default=[],
+        help="ENGINE=COMMAND: start vllm, sglang or llama.cpp with this command instead of "
+        "its default (repeatable; docs/engines.md)",
+    )
     parser.add_argument("--engine-ready-timeout", type=float, default=300.0)
     parser.add_argument("--drain-timeout", type=float, default=60.0)
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)
@@ -116,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             advertise_host=options.advertise_host,
             bind_host=options.bind_host,
             engine_command=parse_engine_command(options.engine_command),
+            engine_commands=parse_engine_commands(options.engine_command_for),
             engine_threads=options.threads,
             engine_ready_timeout_s=options.engine_ready_timeout,
             drain_timeout_s=options.drain_timeout,

@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from contracts import engines
 from contracts.engine_identity import engine_endpoint, is_valid_host
 from contracts.streams import HEARTBEAT_INTERVAL_S, ContractError, validate_agent_name
 
@@ -28,6 +29,9 @@ class AgentConfig:
     advertise_host: str = "127.0.0.1"  # how others reach this agent's engine
     bind_host: str = "127.0.0.1"
     engine_command: tuple[str, ...] = field(default_factory=default_engine_command)
+    # engine name -> the command that starts it, instead of its adapter's default
+    # (agent/engines/); `builtin`'s is engine_command.
+    engine_commands: dict[str, tuple[str, ...]] = field(default_factory=dict)
     engine_threads: int = 1
     engine_ready_timeout_s: float = 300.0
     drain_timeout_s: float = 60.0
@@ -68,6 +72,14 @@ class AgentConfig:
             raise ValueError("a token is required (--token, --token-file or AGENT_TOKEN)")
         if not self.engine_command:
             raise ValueError("--engine-command must not be empty")
+        for engine, command in self.engine_commands.items():
+            if engine not in engines.ENGINES or engine in (engines.BUILTIN, engines.OPENAI):
+                raise ValueError(
+                    f"--engine-command-for: {engine!r} is not an engine the agent starts "
+                    f"(vllm, sglang, llama.cpp; builtin's is --engine-command)"
+                )
+            if not command:
+                raise ValueError(f"--engine-command-for {engine}: the command is empty")
         if self.engine_threads < 1:
             raise ValueError("--threads must be at least 1")
         if self.heartbeat_interval_s <= 0:
@@ -95,3 +107,14 @@ class AgentConfig:
 
 def parse_engine_command(text: str) -> tuple[str, ...]:
     return tuple(shlex.split(text))
+
+
+def parse_engine_commands(values: list[str]) -> dict[str, tuple[str, ...]]:
+    """ENGINE=COMMAND pairs (--engine-command-for, repeatable)."""
+    commands = {}
+    for value in values:
+        engine, separator, command = value.partition("=")
+        if not separator or not engine:
+            raise ValueError(f"--engine-command-for must be ENGINE=COMMAND, got {value!r}")
+        commands[engine] = parse_engine_command(command)
+    return commands

@@ -3,8 +3,10 @@ logging, line by line, and its last lines worth reporting kept for a failure's r
 
 A JSON line (the engine logs as the agent does: contracts/logs.py) becomes a record of its
 own with the engine's time, level, logger and fields (its request ids among them); a text
-line of that format keeps its level and logger; anything else (a traceback, a warning
-printed by a library) is a warning of logger `engine`. Every record gets `fields` (the
+line of that format keeps its level and logger, a line led by its level (vLLM's, SGLang's)
+keeps its level; anything else (a traceback, a warning printed by a library) is a warning
+of logger `engine`. The first exception line is kept apart: a failure's root cause, which a
+long traceback pushes out of the last lines. Every record gets `fields` (the
 engine's port and pid, the version it serves). Nothing is written to a file.
 """
 
@@ -31,6 +33,11 @@ LEVELS = logging.getLevelNamesMapping()
 TEXT_LINE = re.compile(
     r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (CRITICAL|ERROR|WARNING|INFO|DEBUG) (\S+) (.*)"
 )
+# The lines other engines write (vLLM, SGLang): a level first, after the name and pid of the
+# helper process that wrote it, if any: "(EngineCore pid=7) INFO 12-05 09:32:42 [x.py:1] ...".
+PREFIXED_LINE = re.compile(r"(?:\(\S+ pid=\d+\) )?(CRITICAL|ERROR|WARNING|INFO|DEBUG) (.*)")
+# An exception's last line, "ValueError: ...": the root cause of a failure, kept apart.
+ERROR_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception): ")
 # The JSON formatter's own keys; the others are the record's fields.
 _JSON_KEYS = frozenset({"time", "level", "logger", "message"})
 
@@ -65,10 +72,14 @@ def engine_record(line: str, fields: Mapping[str, Any]) -> tuple[logging.LogReco
                     values[f"engine_{key}" if is_own else key] = value
     else:
         match = TEXT_LINE.fullmatch(line)
+        prefixed = None if match else PREFIXED_LINE.fullmatch(line)
         if match:
             is_structured = True
             level, name, message = match.groups()
             values.update(levelno=LEVELS[level], name=name, msg=message)
+        elif prefixed:
+            is_structured = True
+            values["levelno"] = LEVELS[prefixed.group(1)]
     values["levelname"] = logging.getLevelName(values["levelno"])
     values.update(fields)
     record = logging.makeLogRecord(values)
@@ -102,6 +113,7 @@ class EngineOutput:
         self.fields = dict(fields)
         # Warnings and worse, and unstructured lines: what says why an engine failed.
         self._tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.first_error = ""  # the first exception line it wrote (ERROR_LINE)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -118,8 +130,11 @@ class EngineOutput:
             return
         record, is_unstructured = engine_record(line, self.fields)
         if is_unstructured or record.levelno >= logging.WARNING:
+            entry = tail_entry(record)
             with self._lock:
-                self._tail.append(tail_entry(record))
+                self._tail.append(entry)
+                if not self.first_error and ERROR_LINE.search(entry):
+                    self.first_error = entry
         if logger.isEnabledFor(record.levelno):
             logger.handle(record)
 

@@ -1,86 +1,56 @@
-"""One serving engine subprocess: start it, watch it warm, read its stats, drain or stop it.
+"""One serving engine subprocess: start it, watch it warm, read its metrics, drain or stop it.
 
+What differs between engines (command line, readiness, drain, metric names) is asked of
+its adapter (agent/engines/); this module only runs the process and speaks HTTP to it.
 Its output goes through the agent's logging (agent/engine_output.py); when it exits, is
-killed, fails to become ready or says its step loop failed, `EngineError` says why: a
-reason code (contracts.streams.EngineFailure) and a bounded message with its last lines.
+killed, fails to become ready or says it failed, `EngineError` says why: a reason code
+(contracts.streams.EngineFailure) and a bounded message with its first error and last lines.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import itertools
 import logging
 import os
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 from agent.engine_output import EngineOutput, engine_output_level
-from contracts.engines import BUILTIN, engine_flags
+from agent.engines import EngineAdapter, EngineSpec, EngineStartError, Readiness
+from agent.engines.base import DrainMethod
+from agent.engines.prometheus import MetricsSnapshot, MetricsTextError
 from contracts.streams import ENGINE_ERROR_MESSAGE_MAX_LENGTH, EngineError, EngineFailure
-from engine.config import AGENT_NAME_VARIABLE, EngineSecrets
 
 logger = logging.getLogger(__name__)
 
-# serving_config key (signed, from the registry) -> engine flag
-SERVING_CONFIG_FLAGS = {
-    "dtype": "--dtype",
-    "max_model_len": "--max-model-len",
-    "kv_block_size": "--block-size",
-    "block_size": "--block-size",
-    "max_num_seqs": "--max-num-seqs",
-    "max_num_batched_tokens": "--max-num-batched-tokens",
-}
-DTYPES = {"float32", "bfloat16", "int8"}
 PR_SET_PDEATHSIG = 1
-
-
+IDLE_POLL_S = 0.2
+_keys = itertools.count(1)
 # How long to wait for the rest of an exited engine's output before reporting why it failed.
 OUTPUT_DRAIN_S = 2.0
 
-
-class EngineStartError(RuntimeError):
-    """The engine cannot be started; `error` is set when it was an engine failure (not a
-    configuration the agent refused)."""
-
-    def __init__(self, message: str, error: EngineError | None = None) -> None:
-        super().__init__(message)
-        self.error = error
+__all__ = ["EngineProcess", "EngineSpec", "EngineStartError", "engine_error"]
 
 
-def engine_error(reason: EngineFailure, summary: str, tail: str = "") -> EngineError:
-    """`summary: tail`, the tail cut from its start to fit the message's bound."""
+def engine_error(
+    reason: EngineFailure, summary: str, tail: str = "", lead: str = ""
+) -> EngineError:
+    """`summary: lead ... tail` within the message's bound: `lead` (a root cause) kept from
+    its start, up to half the room, `tail` cut from its start to fit the rest."""
     room = ENGINE_ERROR_MESSAGE_MAX_LENGTH - len(summary) - 2
+    if lead and room > 0 and lead not in tail:
+        lead = lead[: room // 2]
+        tail = f"{lead} ... {tail[-(room - len(lead) - 5) :]}" if tail else lead
     message = f"{summary}: {tail[-room:]}" if tail and room > 0 else summary
     return EngineError(reason, message.replace("\x00", "")[:ENGINE_ERROR_MESSAGE_MAX_LENGTH])
-
-
-def serving_config_arguments(serving_config: Mapping[str, Any]) -> list[str]:
-    """Engine flags for a signed serving configuration; unknown keys are refused."""
-    unknown = sorted(set(serving_config) - set(SERVING_CONFIG_FLAGS))
-    if unknown:
-        raise EngineStartError(f"serving_config has keys this agent cannot apply: {unknown}")
-    arguments: list[str] = []
-    for key, value in sorted(serving_config.items()):
-        if key == "dtype":
-            if value not in DTYPES:
-                raise EngineStartError(f"serving_config.dtype {value!r} is not one of {DTYPES}")
-        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise EngineStartError(f"serving_config.{key} must be a positive integer")
-        arguments += [SERVING_CONFIG_FLAGS[key], str(value)]
-    return arguments
-
-
-def gpu_environment(gpu_index: int) -> dict[str, str]:
-    """The engine sees only its agent's GPU (as its cuda:0), counted in PCI bus order as
-    NVML counts, so that the GPU it runs on is the one the agent meters."""
-    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(gpu_index)}
 
 
 def _die_with_parent() -> None:
@@ -92,60 +62,33 @@ def _die_with_parent() -> None:
         pass
 
 
-@dataclass
-class EngineSpec:
-    model_path: Path  # a file (GGUF) or a folder (HF safetensors), checked before the start
-    serving_config: dict[str, Any]
-    served_model_name: str
-    host: str
-    port: int
-    threads: int
-    fault_latency_ms: float = 0.0
-    fault_error_rate: float = 0.0
-    # Passed in the engine's environment, never its arguments (`ps` shows those).
-    secrets: EngineSecrets | None = field(default=None, repr=False)
-    agent_name: str = ""  # the engine answers it, with a proof, on GET /identity
-    gpu_index: int = 0
-    # The version's engine and its arguments (signed; contracts/engines.py allows them).
-    engine: str = BUILTIN
-    engine_args: dict[str, Any] = field(default_factory=dict)
-    version_id: int | None = None  # named in its log lines, not passed to it
-
-    def arguments(self) -> list[str]:
-        return [
-            "--model",
-            str(self.model_path),
-            *serving_config_arguments(self.serving_config),
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
-            "--served-model-name",
-            self.served_model_name,
-            "--threads",
-            str(self.threads),
-            "--fault-latency-ms",
-            repr(float(self.fault_latency_ms)),
-            "--fault-error-rate",
-            repr(float(self.fault_error_rate)),
-            *engine_flags(self.engine, self.engine_args),
-        ]
-
-
 class EngineProcess:
-    def __init__(self, *, command: tuple[str, ...], spec: EngineSpec, endpoint: str) -> None:
+    def __init__(
+        self,
+        *,
+        adapter: EngineAdapter,
+        spec: EngineSpec,
+        endpoint: str,
+        base_url: str | None = None,
+    ) -> None:
+        if spec.secrets is None:
+            raise EngineStartError("an engine needs its serving and admin secrets")
+        self.adapter = adapter
         self.spec = spec
-        self.command = [*command, *spec.arguments()]
+        self.command = adapter.command(spec) if adapter.starts_process else []
         self.endpoint = endpoint
         self.is_stopping = False
         self._process: subprocess.Popen[bytes] | None = None
         self._output: EngineOutput | None = None
-        self._base_url = f"http://{spec.host}:{spec.port}"
+        self._base_url = base_url or f"http://{spec.host}:{spec.port}"
         self._client = httpx.Client(base_url=self._base_url, timeout=2.0)
-        if spec.secrets is None:
-            raise EngineStartError("an engine needs its serving and admin secrets")
         self._secrets = spec.secrets
         self._lock = threading.Lock()
+        self.key = f"{adapter.name}-{next(_keys)}"  # its telemetry's key, for its lifetime
+
+    @property
+    def engine(self) -> str:
+        return self.adapter.name
 
     @property
     def pid(self) -> int | None:
@@ -156,15 +99,15 @@ class EngineProcess:
         return self.spec.port
 
     def start(self) -> None:
+        if not self.adapter.starts_process:
+            return
         try:
             self._process = subprocess.Popen(
                 self.command,
                 env={
                     **os.environ,
-                    **self._secrets.environment(),
-                    AGENT_NAME_VARIABLE: self.spec.agent_name,
-                    **gpu_environment(self.spec.gpu_index),
-                    # The agent's level (its --log-level too): the engine writes what the
+                    **self.adapter.environment(self.spec),
+                    # The agent's level (its --log-level too): our engine writes what the
                     # agent logs, in the agent's LOG_FORMAT, which it inherits.
                     "LOG_LEVEL": logging.getLevelName(engine_output_level()),
                 },
@@ -172,16 +115,21 @@ class EngineProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 preexec_fn=_die_with_parent,  # only calls prctl
+                # Its own process group: a stop ends the engine's helpers too (vLLM's
+                # engine core and workers), not only the process the agent started.
+                start_new_session=True,
             )
         except OSError as exc:
             error = engine_error(
-                EngineFailure.SPAWN_FAILED, f"could not run {self.command[0]}: {exc}"
+                EngineFailure.SPAWN_FAILED,
+                f"could not run the {self.engine} engine ({self.command[0]}): {exc}",
             )
             raise EngineStartError(error.message, error) from exc
         assert self._process.stdout is not None
         self._output = EngineOutput(
             self._process.stdout,
             fields={
+                "engine": self.engine,
                 "engine_port": self.port,
                 "engine_pid": self.pid,
                 "version_id": self.spec.version_id,
@@ -189,39 +137,54 @@ class EngineProcess:
             name=f"engine-output-{self.port}",
         )
         self._output.start()
-        logger.info("engine started", extra={"engine_pid": self.pid, "engine_port": self.port})
+        logger.info(
+            "engine started",
+            extra={"engine": self.engine, "engine_pid": self.pid, "engine_port": self.port},
+        )
 
     def exit_code(self) -> int | None:
         return None if self._process is None else self._process.poll()
 
     def is_running(self) -> bool:
+        if not self.adapter.starts_process:
+            return not self.is_stopping
         return self._process is not None and self._process.poll() is None
 
     def log_tail(self, characters: int = 400, *, wait_s: float = 0.0) -> str:
         """Its last warnings, errors and unstructured lines (`wait_s`: see EngineOutput.tail)."""
         return "" if self._output is None else self._output.tail(characters, wait_s=wait_s)
 
+    def first_error(self) -> str:
+        """The first exception line it wrote: the root cause, which a long traceback
+        pushes far above its last lines."""
+        return "" if self._output is None else self._output.first_error
+
     def exit_error(self, *, while_starting: bool = False) -> EngineError:
         """Why an engine that is no longer running stopped: its exit code or signal, and
-        its last lines."""
+        its first error and last lines."""
         code = self.exit_code()
         when = " while starting" if while_starting else ""
         tail = self.log_tail(ENGINE_ERROR_MESSAGE_MAX_LENGTH, wait_s=OUTPUT_DRAIN_S)
+        first = self.first_error()
         if code is not None and code < 0:
             try:
                 name = signal.Signals(-code).name
             except ValueError:
                 name = f"signal {-code}"
-            return engine_error(EngineFailure.KILLED, f"killed by {name}{when}", tail)
-        return engine_error(EngineFailure.EXITED, f"exited with code {code}{when}", tail)
+            return engine_error(EngineFailure.KILLED, f"killed by {name}{when}", tail, first)
+        return engine_error(EngineFailure.EXITED, f"exited with code {code}{when}", tail, first)
 
-    def failed_error(self) -> EngineError:
-        """Why a running engine says it failed (its /health's error)."""
-        reason = (self.health_detail() or {}).get("error") or self.log_tail()
-        return engine_error(EngineFailure.STEP_FAILED, "step loop failed", str(reason))
+    def failed_error(self, *, while_starting: bool = False) -> EngineError:
+        """Why a running engine says it failed (our engine's /health names its error)."""
+        summary = "failed while starting" if while_starting else "step loop failed"
+        detail = self.adapter.failure_detail(self._health_response())
+        if detail:
+            return engine_error(EngineFailure.STEP_FAILED, summary, detail)
+        tail = self.log_tail(ENGINE_ERROR_MESSAGE_MAX_LENGTH)
+        return engine_error(EngineFailure.STEP_FAILED, summary, tail, self.first_error())
 
     def _authorization(self, path: str) -> dict[str, str]:
-        """The admin secret for /admin/*, the serving secret for the rest."""
+        """The admin secret for /admin/* (ours), the serving secret for the rest."""
         is_admin = path.startswith("/admin/")
         secret = self._secrets.admin if is_admin else self._secrets.serving
         return {"Authorization": f"Bearer {secret}"}
@@ -234,20 +197,19 @@ class EngineProcess:
         with self._lock:
             return self._client.post(path, json=body, headers=self._authorization(path))
 
-    def health(self) -> str | None:
-        detail = self.health_detail()
-        return None if detail is None else str(detail.get("status"))
-
-    def health_detail(self) -> dict[str, Any] | None:
-        """/health's answer: `{"status"}`, with `error` when failed; None when unreachable."""
+    def _health_response(self) -> httpx.Response | None:
         try:
-            data = self._get("/health").json()
-        except (httpx.HTTPError, RuntimeError, ValueError):
+            return self._get(self.adapter.health_path)
+        except (httpx.HTTPError, RuntimeError):
             return None
-        return data if isinstance(data, dict) else None
+
+    def health(self) -> Readiness | None:
+        """What its health endpoint says; None when it does not answer."""
+        response = self._health_response()
+        return None if response is None else self.adapter.readiness(response)
 
     def wait_ready(self, timeout_s: float, should_abort: Callable[[], bool]) -> None:
-        """Block until /health says ready; raise EngineStartError if it exits or times out."""
+        """Block until it is ready; raise EngineStartError if it exits, fails or times out."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if should_abort():
@@ -255,27 +217,36 @@ class EngineProcess:
             if self.exit_code() is not None:
                 error = self.exit_error(while_starting=True)
                 raise EngineStartError(f"engine {error.message}", error)
-            if self.health() == "ready":
+            readiness = self.health()
+            if readiness is Readiness.READY:
                 return
+            if readiness is Readiness.FAILED:
+                error = self.failed_error(while_starting=True)
+                raise EngineStartError(f"engine {error.message}", error)
             time.sleep(0.2)
         error = engine_error(
-            EngineFailure.NOT_READY, f"not ready within {timeout_s:.0f}s", self.log_tail()
+            EngineFailure.NOT_READY,
+            f"not ready within {timeout_s:.0f}s",
+            self.log_tail(ENGINE_ERROR_MESSAGE_MAX_LENGTH),
+            self.first_error(),
         )
         raise EngineStartError(f"engine {error.message}", error)
 
-    def stats(self) -> dict[str, Any] | None:
+    def scrape(self) -> MetricsSnapshot | None:
+        """Its /metrics read into the heartbeat's figures; None when it does not answer."""
         if not self.is_running():
             return None
         try:
-            response = self._get("/admin/stats")
+            response = self._get(self.adapter.metrics_path)
             if response.status_code != 200:
                 return None
-            data = response.json()
-        except (httpx.HTTPError, RuntimeError, ValueError):
+            return self.adapter.read_metrics(response.text)
+        except (httpx.HTTPError, RuntimeError, MetricsTextError):
             return None
-        return data if isinstance(data, dict) else None
 
     def set_faults(self, *, latency_ms_per_token: float, error_rate: float) -> None:
+        if not self.adapter.supports_faults:
+            raise RuntimeError(f"the {self.engine} engine takes no injected faults")
         response = self._post(
             "/admin/faults",
             {"latency_ms_per_token": latency_ms_per_token, "error_rate": error_rate},
@@ -288,29 +259,54 @@ class EngineProcess:
     def drain(self, timeout_s: float) -> bool:
         """Stop taking requests, finish in-flight ones, exit. True when it exited by itself."""
         self.is_stopping = True
-        if not self.is_running():
+        if self._process is None or self._process.poll() is not None:
+            self._client.close()
             return True
+        deadline = time.monotonic() + timeout_s
+        method = self.adapter.drain_method
         try:
-            self._post("/admin/drain")
-        except httpx.HTTPError as exc:
-            logger.warning("drain request failed", extra={"error": str(exc), "port": self.port})
-        assert self._process is not None
-        try:
-            self._process.wait(timeout=timeout_s)
-            return True
-        except subprocess.TimeoutExpired:
-            self.stop()
-            return False
+            if method is DrainMethod.ADMIN_REQUEST:
+                try:
+                    self._post("/admin/drain")
+                except httpx.HTTPError as exc:
+                    logger.warning("drain request failed", extra={"error": str(exc)})
+            elif method is DrainMethod.IDLE_THEN_SIGTERM:
+                self._wait_idle(deadline)
+                self._process.send_signal(signal.SIGTERM)
+            else:
+                self._process.send_signal(signal.SIGTERM)
+            try:
+                self._process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                self._kill_group(signal.SIGKILL)  # helpers it left behind, if any
+                return True
+            except subprocess.TimeoutExpired:
+                self.stop()
+                return False
         finally:
             self._client.close()
+
+    def _wait_idle(self, deadline: float) -> None:
+        """Until its metrics show nothing running or waiting (or it stops answering)."""
+        while time.monotonic() < deadline and self.exit_code() is None:
+            snapshot = self.scrape()
+            if snapshot is None or snapshot.running + snapshot.waiting == 0:
+                return
+            time.sleep(IDLE_POLL_S)
+
+    def _kill_group(self, signum: int) -> None:
+        if self._process is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._process.pid, signum)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.is_stopping = True
         if self._process is not None and self._process.poll() is None:
-            self._process.terminate()
+            self._kill_group(signal.SIGTERM)
             try:
                 self._process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                self._process.kill()
+                self._kill_group(signal.SIGKILL)
                 self._process.wait(timeout=5)
+        self._kill_group(signal.SIGKILL)
         self._client.close()

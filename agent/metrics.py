@@ -61,6 +61,11 @@ class AgentMetrics:
         self.generated_tokens = Counter(
             "agent_generated_tokens", "Tokens generated (warm-up excluded).", registry=self.registry
         )
+        self.preemptions = Counter(
+            "agent_engine_preemptions",
+            "Requests the engines preempted (their KV cache was full; warm-up excluded).",
+            registry=self.registry,
+        )
         self.energy = Counter(
             "agent_energy_joules",
             "Energy spent, by the version loaded while it was spent.",
@@ -94,6 +99,7 @@ class AgentMetrics:
         kv_cache_usage: float,
         prompt_tokens: int,
         generated_tokens: int,
+        preemptions: int = 0,
         joules: float,
         version_id: int | None,
     ) -> None:
@@ -103,6 +109,7 @@ class AgentMetrics:
         self.kv_cache_usage.set(kv_cache_usage)
         self.prompt_tokens.inc(prompt_tokens)
         self.generated_tokens.inc(generated_tokens)
+        self.preemptions.inc(preemptions)
         self.energy.labels(NO_VERSION if version_id is None else str(version_id)).inc(joules)
 
     def observe_load_phase(self, phase: str, seconds: float) -> None:

@@ -40,6 +40,7 @@ from agent.control_plane import (
 )
 from agent.energy import EnergyMeter, choose_energy_meter
 from agent.engine_process import EngineProcess, EngineSpec, EngineStartError
+from agent.engines import EngineAdapter, Readiness, adapter_for
 from agent.http_server import AgentHttpServer
 from agent.inventory import accelerator_inventory
 from agent.metrics import AgentMetrics
@@ -309,7 +310,7 @@ class Agent:
         if engine is None or engine.is_stopping:
             return
         if engine.is_running():
-            if engine.health() != "failed":
+            if engine.health() is not Readiness.FAILED:
                 return
             error = engine.failed_error()
             why = f"engine failed: {error.message}"
@@ -351,24 +352,26 @@ class Agent:
             state, detail, load, faults = self.state, self.detail, self.current_load, self.faults
             engine_error = self.engine_error
         engines = [engine for engine in [current, *retiring] if engine is not None]
-        stats = {str(engine.pid): engine.stats() for engine in engines}
-        figures = self.telemetry.observe(stats)
+        snapshots = {engine.key: engine.scrape() for engine in engines}
+        figures = self.telemetry.observe(snapshots)
         now = time.monotonic()
         joules = self.energy.joules()
         last_time, last_joules = self._last_energy
         self._last_energy = (now, joules)
         interval = max(now - last_time, 1e-6)
         energy = max(0.0, joules - last_joules)
-        current_stats = stats.get(str(current.pid)) if current else None
-        running = sum(_int_stat(s, "running") for s in stats.values())
-        waiting = sum(_int_stat(s, "waiting") for s in stats.values())
-        kv_cache_usage = min(1.0, max(0.0, _float_stat(current_stats, "kv_cache_usage")))
+        current_snapshot = snapshots.get(current.key) if current else None
+        running = sum(round(s.running) for s in snapshots.values() if s and s.running > 0)
+        waiting = sum(round(s.waiting) for s in snapshots.values() if s and s.waiting > 0)
+        kv_usage = current_snapshot.kv_cache_usage if current_snapshot else 0.0
+        kv_cache_usage = min(1.0, max(0.0, kv_usage))
         self.metrics.observe_interval(
             running=running,
             waiting=waiting,
             kv_cache_usage=kv_cache_usage,
             prompt_tokens=figures.prompt_tokens,
             generated_tokens=figures.generated_tokens,
+            preemptions=figures.preemptions,
             joules=energy,
             version_id=load.version_id if load else None,
         )
@@ -656,7 +659,7 @@ class Agent:
                 self.detail = f"load of version {load.version_id} failed: {exc}"
             raise
         # Before the heartbeat can see it: its warm-up is not traffic.
-        self.telemetry.begin_engine(str(engine.pid), engine.stats(), time.time())
+        self.telemetry.begin_engine(engine.key, engine.scrape())
         with self._lock:
             old, self.current, self.current_load = self.current, engine, load
             self.state, self.detail, self.engine_error = AgentState.READY, "", None
@@ -692,22 +695,27 @@ class Agent:
             )
         except SignatureError as exc:
             raise CommandFailed(f"signature refused: {exc}") from exc
-        if load.engine != engines.BUILTIN:
-            raise CommandFailed(
-                f"engine_unavailable: this agent starts the builtin engine, not {load.engine}"
-            )
         self.metrics.observe_load_phase("verify", time.monotonic() - started)
         started = time.monotonic()
-        path = self._fetch_artifact(load)
+        adapter = self._adapter(load.engine)
+        path = None if load.engine == engines.OPENAI else self._fetch_artifact(load)
+        try:
+            adapter.check_model_path(path)
+        except EngineStartError as exc:
+            raise CommandFailed(str(exc)) from exc
         self.metrics.observe_load_phase("fetch", time.monotonic() - started)
         with self._lock:
             in_use = {engine.port for engine in [self.current, *self.retiring] if engine}
             faults = self.faults
         ports = [self.config.port, self.config.port + 1]
         free = [port for port in ports if port not in in_use]
+        if not adapter.starts_process:
+            free = self._external_port(load, ports)
         if not free:
             raise CommandFailed("both engine ports are busy (a previous engine is still draining)")
         port = free[0]
+        if not adapter.supports_faults:
+            faults = FaultsPayload(latency_ms_per_token=0.0, error_rate=0.0)
         spec = EngineSpec(
             model_path=path,
             serving_config=dict(load.serving_config),
@@ -722,13 +730,17 @@ class Agent:
             secrets=EngineSecrets(serving=load.serving_secret, admin=load.admin_secret),
             agent_name=self.config.name,
             gpu_index=self.config.gpu_index,
+            drain_timeout_s=self.config.drain_timeout_s,
             version_id=load.version_id,
         )
+        endpoint = self.config.endpoint_for(port)
+        base_url = None if adapter.starts_process else endpoint
         try:
             engine = EngineProcess(
-                command=self.config.engine_command,
+                adapter=adapter,
                 spec=spec,
-                endpoint=self.config.endpoint_for(port),
+                endpoint=endpoint,
+                base_url=base_url,
             )
         except EngineStartError as exc:
             raise CommandFailed(str(exc)) from exc
@@ -769,6 +781,24 @@ class Agent:
             raise CommandFailed(f"{exc.reason}: {exc}") from exc
         return folder
 
+    def _external_port(self, load: LoadPayload, ports: list[int]) -> list[int]:
+        """The port of the running server the `openai` engine stands for: it must be one of
+        this agent's endpoints, the only ones the control plane routes to."""
+        url = str(load.engine_args.get("base_url", "")).rstrip("/")
+        matching = [port for port in ports if self.config.endpoint_for(port) == url]
+        if not matching:
+            endpoints = ", ".join(self.config.endpoint_for(port) for port in ports)
+            raise CommandFailed(
+                f"engine_args.base_url {url} is not one of this agent's endpoints ({endpoints}): "
+                "the control plane routes to no other"
+            )
+        return matching
+
+    def _adapter(self, engine: str) -> EngineAdapter:
+        if engine == engines.BUILTIN:
+            return adapter_for(engine, self.config.engine_command)
+        return adapter_for(engine, self.config.engine_commands.get(engine))
+
     def drain(self, version_id: int | None = None) -> str:
         """Drain the engine; with `version_id`, only if that is the version it serves."""
         with self._lock:
@@ -800,8 +830,10 @@ class Agent:
 
     def set_faults(self, faults: FaultsPayload) -> str:
         with self._lock:
-            self.faults = faults
             engine = self.current
+            if engine is not None and not engine.adapter.supports_faults:
+                raise CommandFailed(f"the {engine.engine} engine takes no injected faults")
+            self.faults = faults
         if engine is not None:
             try:
                 engine.set_faults(
@@ -825,13 +857,3 @@ class Agent:
 
 def _replace(result: CommandResult, **changes: Any) -> CommandResult:
     return CommandResult(**{**asdict(result), **changes})
-
-
-def _int_stat(stats: dict[str, Any] | None, name: str) -> int:
-    value = (stats or {}).get(name, 0)
-    return int(value) if isinstance(value, int | float) and value >= 0 else 0
-
-
-def _float_stat(stats: dict[str, Any] | None, name: str) -> float:
-    value = (stats or {}).get(name, 0.0)
-    return float(value) if isinstance(value, int | float) else 0.0

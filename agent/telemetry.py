@@ -1,17 +1,22 @@
-"""Interval figures from the engines' /admin/stats, and the agent's running totals.
+"""Interval figures from the engines' /metrics snapshots, and the agent's running totals.
 
-Each heartbeat covers the interval since the previous one: token counts come from the
-engines' monotonic counters (a restart of an engine is a counter reset), latencies and
-request outcomes from the `recent` list of finished requests after a watermark.
+Each heartbeat covers the interval since the previous one: every counter and histogram is
+the difference between this scrape and the engine's previous one (agent/engines/
+prometheus.py reads a scrape, whichever the engine). An engine's first snapshot, taken
+when it became current, is the baseline, so its warm-up is not counted as traffic.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-from contracts.stats import percentile
+from agent.engines.prometheus import (
+    Histogram,
+    MetricsSnapshot,
+    counter_delta,
+    histograms_merge,
+)
 
 
 @dataclass(slots=True)
@@ -21,6 +26,7 @@ class IntervalFigures:
     requests_ok: int = 0
     requests_failed: int = 0
     requests_aborted: int = 0
+    preemptions: int = 0
     ttft_p50_s: float | None = None
     ttft_p95_s: float | None = None
     itl_mean_s: float | None = None
@@ -28,95 +34,65 @@ class IntervalFigures:
 
 
 @dataclass(slots=True)
-class _EngineWatermark:
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    finished_after: float = 0.0
-    is_observed: bool = False  # a heartbeat has seen its stats
+class _EngineMark:
+    last: MetricsSnapshot
+    is_observed: bool = False  # a heartbeat has seen it
 
 
-def _counter(stats: Mapping[str, Any], name: str) -> int:
-    value = stats.get(name, 0)
-    return int(value) if isinstance(value, int | float) and value >= 0 else 0
-
-
-def _delta(now: int, before: int) -> int:
-    return now - before if now >= before else now  # a reset counter starts again from 0
+def _count(now: float, before: float) -> int:
+    return round(counter_delta(now, before))
 
 
 @dataclass
 class TelemetryAccumulator:
-    """Turns successive stats of one or more engines into interval figures and totals."""
+    """Turns successive snapshots of one or more engines into interval figures and totals."""
 
     prompt_tokens_total: int = 0
     generated_tokens_total: int = 0
     requests_ok_total: int = 0
     requests_failed_total: int = 0
-    _engines: dict[str, _EngineWatermark] = field(default_factory=dict)
+    _engines: dict[str, _EngineMark] = field(default_factory=dict)
 
-    def begin_engine(self, key: str, stats: Mapping[str, Any] | None, now: float) -> None:
+    def begin_engine(self, key: str, snapshot: MetricsSnapshot | None) -> None:
         """Count only what an engine does from now on (its warm-up is not traffic)."""
-        stats = stats or {}
-        self._engines[key] = _EngineWatermark(
-            prompt_tokens_total=_counter(stats, "prompt_tokens_total"),
-            generation_tokens_total=_counter(stats, "generation_tokens_total"),
-            finished_after=now,
-        )
+        self._engines[key] = _EngineMark(last=snapshot or MetricsSnapshot())
 
-    def observe(self, stats_by_engine: Mapping[str, Mapping[str, Any] | None]) -> IntervalFigures:
+    def observe(self, snapshots: Mapping[str, MetricsSnapshot | None]) -> IntervalFigures:
         figures = IntervalFigures()
-        ttfts: list[float] = []
-        itl_p95s: list[float] = []
-        itl_weighted_sum = 0.0
-        itl_weight = 0
-        for key, stats in stats_by_engine.items():
-            if stats is None:
+        ttfts: list[Histogram] = []
+        itls: list[Histogram] = []
+        for key, now in snapshots.items():
+            if now is None:
                 continue
-            mark = self._engines.setdefault(key, _EngineWatermark())
-            mark.is_observed = True
-            prompt_total = _counter(stats, "prompt_tokens_total")
-            generated_total = _counter(stats, "generation_tokens_total")
-            figures.prompt_tokens += _delta(prompt_total, mark.prompt_tokens_total)
-            figures.generated_tokens += _delta(generated_total, mark.generation_tokens_total)
-            mark.prompt_tokens_total, mark.generation_tokens_total = prompt_total, generated_total
-            newest = mark.finished_after
-            recent = stats.get("recent")
-            for request in recent if isinstance(recent, list) else []:
-                if not isinstance(request, dict):
-                    continue
-                finished_at = request.get("finished_at")
-                if not isinstance(finished_at, int | float) or finished_at <= mark.finished_after:
-                    continue
-                newest = max(newest, float(finished_at))
-                status = request.get("status")
-                if status == "ok":
-                    figures.requests_ok += 1
-                    ttft = request.get("ttft_s")
-                    if isinstance(ttft, int | float):
-                        ttfts.append(float(ttft))
-                    itl_mean = request.get("itl_mean_s")
-                    completion = request.get("completion_tokens")
-                    if isinstance(itl_mean, int | float) and isinstance(completion, int):
-                        gaps = max(0, completion - 1)
-                        itl_weighted_sum += float(itl_mean) * gaps
-                        itl_weight += gaps
-                    itl_p95 = request.get("itl_p95_s")
-                    if isinstance(itl_p95, int | float):
-                        itl_p95s.append(float(itl_p95))
-                elif status == "aborted":
-                    figures.requests_aborted += 1
-                else:
-                    figures.requests_failed += 1
-            mark.finished_after = newest
-        # Engines that are gone keep no watermark; one begun but not yet in a heartbeat
-        # keeps its own, or its warm-up would be counted as traffic.
+            mark = self._engines.get(key)
+            if mark is None:
+                # Never begun (it was serving before the agent saw it): all of it counts.
+                mark = self._engines[key] = _EngineMark(last=MetricsSnapshot())
+            before = mark.last
+            mark.last, mark.is_observed = now, True
+            figures.prompt_tokens += _count(now.prompt_tokens, before.prompt_tokens)
+            figures.generated_tokens += _count(now.generation_tokens, before.generation_tokens)
+            figures.requests_ok += _count(now.requests_ok, before.requests_ok)
+            figures.requests_failed += _count(now.requests_failed, before.requests_failed)
+            figures.requests_aborted += _count(now.requests_aborted, before.requests_aborted)
+            figures.preemptions += _count(now.preemptions, before.preemptions)
+            if now.ttft is not None:
+                ttfts.append(now.ttft.minus(before.ttft))
+            if now.itl is not None:
+                itls.append(now.itl.minus(before.itl))
+        # Engines that are gone keep no mark; one begun but not yet in a heartbeat keeps
+        # its own, or its warm-up would be counted as traffic.
         for key, mark in list(self._engines.items()):
-            if key not in stats_by_engine and mark.is_observed:
+            if key not in snapshots and mark.is_observed:
                 del self._engines[key]
-        figures.ttft_p50_s = percentile(ttfts, 50)
-        figures.ttft_p95_s = percentile(ttfts, 95)
-        figures.itl_mean_s = itl_weighted_sum / itl_weight if itl_weight else None
-        figures.itl_p95_s = percentile(itl_p95s, 95)
+        ttft = histograms_merge(ttfts)
+        itl = histograms_merge(itls)
+        if ttft is not None:
+            figures.ttft_p50_s = ttft.quantile(0.50)
+            figures.ttft_p95_s = ttft.quantile(0.95)
+        if itl is not None:
+            figures.itl_mean_s = itl.mean()
+            figures.itl_p95_s = itl.quantile(0.95)
         self.prompt_tokens_total += figures.prompt_tokens
         self.generated_tokens_total += figures.generated_tokens
         self.requests_ok_total += figures.requests_ok

@@ -4,7 +4,8 @@ from typing import Any
 
 from controlplane.core.errors import DomainError
 
-# what the engine serves (`python -m engine serve --dtype`; agent.engine_process refuses the rest)
+# the dtypes a version may name (int8 on the built-in engine only: contracts.engines.INT8_ENGINES;
+# each engine adapter in agent/engines/ refuses a dtype its engine does not take)
 DTYPES = ("float32", "bfloat16", "int8")
 
 # integer fields: (minimum, maximum)

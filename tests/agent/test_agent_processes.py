@@ -26,6 +26,8 @@ from django.test import override_settings
 from prometheus_client.parser import text_string_to_metric_families
 from rest_framework.test import APIClient
 
+from agent.engines.builtin import BuiltinAdapter
+from agent.engines.prometheus import MetricsSnapshot
 from contracts.redis_roles import CONTROLPLANE_USER, INGEST_USER
 from contracts.streams import (
     HEARTBEATS_STREAM,
@@ -681,16 +683,23 @@ def test_agents_run_engines_on_their_own_gpus_and_serve_health_readiness_and_met
         assert readiness.status_code == 200
         assert readiness.json() == {"state": "ready", "is_registered": True, "is_ready": True}
 
-        # A few requests: the agent's totals are the engine's own, less its warm-up.
+        # A few requests: the agent's totals are the engine's own, less its warm-up (its
+        # vLLM series: prompt tokens are the requests' whole prompts, prefix cache hits too).
         endpoint = f"http://127.0.0.1:{g0_port}"
         admin = engine_headers("agent-g0", loads["agent-g0"]["command_id"], is_admin=True)
-        warm = httpx.get(f"{endpoint}/admin/stats", headers=admin, timeout=5).json()
         serving = engine_headers("agent-g0", loads["agent-g0"]["command_id"])
+
+        def engine_figures() -> MetricsSnapshot:
+            text = httpx.get(f"{endpoint}/metrics", headers=serving, timeout=5).text
+            return BuiltinAdapter().read_metrics(text)
+
+        warm = engine_figures()
         for _ in range(3):
             assert ask_paris(endpoint, serving) == "The capital of France is Paris."
         stats = httpx.get(f"{endpoint}/admin/stats", headers=admin, timeout=5).json()
-        prompt = stats["prompt_tokens_total"] - warm["prompt_tokens_total"]
-        generated = stats["generation_tokens_total"] - warm["generation_tokens_total"]
+        served = engine_figures()
+        prompt = served.prompt_tokens - warm.prompt_tokens
+        generated = served.generation_tokens - warm.generation_tokens
         assert generated >= 3 * 8
         wait_until(
             lambda: sample(scrape(base), "agent_generated_tokens_total") == generated,

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from agent.engine_process import EngineSpec
+from agent.engines.builtin import BuiltinAdapter
 from contracts.engines import OPTIONS, engine_flags
 from contracts.streams import ContractError, parse_load_payload
 from engine.__main__ import build_parser
@@ -71,13 +72,13 @@ def test_the_builtin_engines_options_are_flags_its_parser_takes(tmp_path: Path) 
         engine="builtin",
         engine_args=arguments,
     )
-    parsed = build_parser().parse_args(["serve", *spec.arguments()])
+    parsed = build_parser().parse_args(["serve", *BuiltinAdapter().arguments(spec)])
     assert (parsed.model, parsed.num_blocks, parsed.kv_cache_memory_mb) == (str(tmp_path), 128, 256)
     assert (parsed.max_queue, parsed.no_prefix_caching, parsed.enforce_eager) == (64, True, True)
-    defaults = build_parser().parse_args(["serve", *EngineSpec(
+    defaults = build_parser().parse_args(["serve", *BuiltinAdapter().arguments(EngineSpec(
         model_path=tmp_path, serving_config={}, served_model_name="m", host="h", port=1,
         threads=1, engine_args={"prefix_caching": True, "enforce_eager": False},
-    ).arguments()])  # fmt: skip
+    ))])  # fmt: skip
     assert (defaults.no_prefix_caching, defaults.enforce_eager) == (False, False)
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from agent.engine_output import engine_record
 from agent.engine_process import EngineProcess, EngineSpec, EngineStartError
+from agent.engines.builtin import BuiltinAdapter
 from contracts.logs import JsonFormatter
 from contracts.streams import ENGINE_ERROR_MESSAGE_MAX_LENGTH, EngineFailure
 from engine.config import EngineSecrets
@@ -59,6 +60,9 @@ def test_a_json_line_keeps_its_time_level_logger_and_fields() -> None:
             "ready: 3 blocks",
             False,
         ),
+        # vLLM's own lines, and those of its engine core process: their level is kept
+        ("INFO 12-05 08:00:00 [api_server.py:1] Starting", "engine", "INFO", None, False),
+        ("(EngineCore pid=7) ERROR 12-05 08:00:00 [core.py:9] x", "engine", "ERROR", None, False),
         ("Traceback (most recent call last):", "engine", "WARNING", None, True),
         ('{"no": "message"}', "engine", "WARNING", None, True),
         ("{not json", "engine", "WARNING", None, True),
@@ -85,7 +89,9 @@ def fake_engine(script: str, port: int = 9100) -> EngineProcess:
     )
     # The script ignores the engine's arguments, which come after it.
     return EngineProcess(
-        command=(sys.executable, "-c", script), spec=spec, endpoint=f"http://127.0.0.1:{port}"
+        adapter=BuiltinAdapter((sys.executable, "-c", script)),
+        spec=spec,
+        endpoint=f"http://127.0.0.1:{port}",
     )
 
 
@@ -129,6 +135,28 @@ def test_an_engine_that_exits_while_starting_says_why_and_its_lines_are_logged(c
     assert {r.version_id for r in caplog.records} == {7}
 
 
+ROOT_CAUSE = """
+import sys
+print("(EngineCore pid=7) ERROR 12-05 08:00:00 [core.py:9] ValueError: No common block size")
+for n in range(40):
+    print(f"  File x.py, line {n}, in f", file=sys.stderr)
+print("RuntimeError: Engine core initialization failed. See root cause above.", file=sys.stderr)
+sys.exit(1)
+"""
+
+
+def test_a_failed_start_leads_with_its_first_error_the_root_cause() -> None:
+    failure = start_failure(fake_engine(ROOT_CAUSE))
+    assert failure.error is not None
+    message = failure.error.message
+    assert message.startswith(
+        "exited with code 1 while starting: (EngineCore pid=7) ERROR 12-05 08:00:00 "
+        "[core.py:9] ValueError: No common block size ... "
+    )
+    assert message.endswith("See root cause above.")
+    assert len(message) <= ENGINE_ERROR_MESSAGE_MAX_LENGTH
+
+
 def test_a_killed_engine_and_a_long_tail_stay_within_the_bound() -> None:
     script = (
         "import os, signal, sys\n"
@@ -147,11 +175,15 @@ def test_a_killed_engine_and_a_long_tail_stay_within_the_bound() -> None:
 
 def test_an_engine_command_that_cannot_run_and_one_never_ready() -> None:
     spec = fake_engine("").spec
-    missing = EngineProcess(command=("/nonexistent/engine",), spec=spec, endpoint="http://h:1")
+    missing = EngineProcess(
+        adapter=BuiltinAdapter(("/nonexistent/engine",)), spec=spec, endpoint="http://h:1"
+    )
     failure = start_failure(missing)
     assert failure.error is not None
     assert failure.error.reason is EngineFailure.SPAWN_FAILED
-    assert failure.error.message.startswith("could not run /nonexistent/engine: ")
+    assert failure.error.message.startswith(
+        "could not run the builtin engine (/nonexistent/engine): "
+    )
 
     silent = fake_engine("import sys, time\nprint('warming', file=sys.stderr)\ntime.sleep(60)")
     failure = start_failure(silent, timeout_s=1)

@@ -6,6 +6,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.engines.builtin import BuiltinAdapter
+from agent.telemetry import TelemetryAccumulator
 from engine import vllm_metrics
 from tests.engine.conftest import EngineServer, start_server, stop_server
 
@@ -148,3 +150,28 @@ def test_vllm_buckets_are_vllms(smollm2_server):
     assert bounds("vllm:iteration_tokens_total") == list(vllm_metrics.ITERATION_TOKEN_BUCKETS)
     # 1-2-5 up to --max-model-len 1024, as vLLM builds them
     assert bounds("vllm:request_prompt_tokens") == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
+
+
+def test_the_agent_reads_them_into_a_heartbeats_figures(smollm2_server):
+    """The agent's reading of our engine is its reading of vLLM (agent/engines/)."""
+    adapter = BuiltinAdapter()
+
+    def snapshot():
+        text = httpx.get(f"{smollm2_server.base_url}/metrics", headers=smollm2_server.serving)
+        return adapter.read_metrics(text.text)
+
+    telemetry = TelemetryAccumulator()
+    telemetry.begin_engine("engine", snapshot())
+    response = smollm2_server.client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Count to five."}],
+        temperature=0,
+        max_tokens=12,
+    )
+    assert response.usage is not None
+    figures = telemetry.observe({"engine": snapshot()})
+    assert figures.prompt_tokens == response.usage.prompt_tokens
+    assert figures.generated_tokens == response.usage.completion_tokens
+    assert (figures.requests_ok, figures.requests_failed, figures.requests_aborted) == (1, 0, 0)
+    assert figures.ttft_p50_s is not None and figures.ttft_p50_s > 0
+    assert figures.itl_mean_s is not None and figures.itl_mean_s > 0
