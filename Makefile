@@ -30,9 +30,11 @@ promtool:
 	@scripts/ensure_promtool.sh
 
 # The serving engines that run in environments of their own (their pins clash with ours),
-# built once under the user's cache: vLLM's CPU build (about 3.5 GB; a minute or two).
+# built once under the user's cache: vLLM's CPU build (about 3.5 GB; a minute or two) and
+# llama-cpp-python's server (compiled from source once; its wheel is cached).
 engine-envs:
 	@scripts/ensure_engine_env.sh vllm >/dev/null
+	@scripts/ensure_engine_env.sh llama.cpp >/dev/null
 
 lint: venv
 	$(BIN)/ruff check .

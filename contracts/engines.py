@@ -121,11 +121,12 @@ OPTIONS: dict[str, dict[str, Option]] = {
         "cuda_graph": Option("bool", "", flag_false="--disable-cuda-graph"),
     },
     LLAMA_CPP: {
-        "n_gpu_layers": Option("int", "--n-gpu-layers", -1, 10_000),
-        "batch_size": Option("int", "--batch-size", 1, 65_536),
-        "ubatch_size": Option("int", "--ubatch-size", 1, 65_536),
-        "cache_type_k": Option("choice", "--cache-type-k", choices=("f16", "q8_0", "q4_0")),
-        "cache_type_v": Option("choice", "--cache-type-v", choices=("f16", "q8_0", "q4_0")),
+        # llama_cpp.server's flags; the KV cache types become ggml type numbers on the agent
+        "n_gpu_layers": Option("int", "--n_gpu_layers", -1, 10_000),
+        "batch_size": Option("int", "--n_batch", 1, 65_536),
+        "ubatch_size": Option("int", "--n_ubatch", 1, 65_536),
+        "cache_type_k": Option("choice", choices=("f16", "q8_0", "q4_0")),
+        "cache_type_v": Option("choice", choices=("f16", "q8_0", "q4_0")),
     },
     OPENAI: {
         # The already running endpoint the agent supervises, and the model name it serves.

@@ -1,29 +1,49 @@
-"""llama.cpp: its server `llama-server` (from a llama.cpp build or a package that ships it).
+"""llama.cpp: llama-cpp-python's server (`python -m llama_cpp.server`), in an environment of
+its own.
 
-It loads a GGUF file. /health answers 503 while the model loads and 200 once it is ready.
---metrics turns on /metrics (llamacpp:* series). The serving secret is its API key, passed
-as LLAMA_API_KEY (never on the command line). It exports no latency histograms: the
-inter-token latency is the mean of its generation seconds over its generated tokens, and
-it has no time to first token nor finished-request counters. Builds since the unified KV
-cache no longer export a KV usage ratio (it reads 0 there). No drain request: the agent
-waits until nothing is processing or deferred, then sends SIGTERM.
+It loads a GGUF file. Its server (0.3.36) takes no middleware and serves neither a health
+route nor /metrics, so the agent starts it through a launcher of ours that runs the very
+same app (plugins/fleet_llama_cpp_server.py: its flags, its `create_app`, uvicorn) and adds
+GET /identity, GET /health and a /metrics of its own counts (fleet_llamacpp:*). The model is
+loaded before the server listens: /health answering is ready. It runs one request at a time;
+the others wait. The serving secret is its API key, read from API_KEY (its settings read
+the environment; never on the command line). Drain: on SIGTERM uvicorn stops listening,
+finishes the requests in flight (and those waiting), then exits.
+
+Its environment is built by scripts/ensure_engine_env.sh under the project's cache; that
+environment's python is the default when it is there.
+
+`LLAMA_SERVER_METRICS` are the llamacpp:* series of llama.cpp's own `llama-server`, read
+when one runs behind an openai version.
 """
 
 from __future__ import annotations
 
-from agent.engines.base import (
-    DrainMethod,
-    EngineAdapter,
-    EngineSpec,
-    config_flags,
-    positive_int,
-)
+import os
+
+from agent.engines.base import DrainMethod, EngineAdapter, EngineSpec, config_flags, positive_int
 from agent.engines.prometheus import MetricNames
+from agent.engines.vllm import PLUGINS_DIR, engines_cache_dir
 from contracts.engines import engine_flags
+from engine.config import ADMIN_SECRET_VARIABLE, AGENT_NAME_VARIABLE
 
-API_KEY_VARIABLE = "LLAMA_API_KEY"
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+LAUNCHER_MODULE = "fleet_llama_cpp_server"
+API_KEY_VARIABLE = "API_KEY"
 
-LLAMACPP_METRICS = MetricNames(
+# What the launcher counts (plugins/fleet_llama_cpp_server.py). No latency histograms,
+# KV cache use nor preemptions: llama_cpp.server reports none of them.
+LLAMA_CPP_PYTHON_METRICS = MetricNames(
+    running=("fleet_llamacpp:requests_running",),
+    waiting=("fleet_llamacpp:requests_waiting",),
+    prompt_tokens=("fleet_llamacpp:prompt_tokens",),
+    generation_tokens=("fleet_llamacpp:generation_tokens",),
+    requests_ok=("fleet_llamacpp:requests_ok",),
+    requests_failed=("fleet_llamacpp:requests_failed",),
+)
+
+# llama.cpp's own llama-server with --metrics (an openai version may front one).
+LLAMA_SERVER_METRICS = MetricNames(
     running=("llamacpp:requests_processing",),
     waiting=("llamacpp:requests_deferred",),
     kv_cache_usage=("llamacpp:kv_cache_usage_ratio",),
@@ -34,29 +54,41 @@ LLAMACPP_METRICS = MetricNames(
 )
 
 SERVING_CONFIG_FLAGS = {
-    "max_model_len": "--ctx-size",
-    "max_num_seqs": "--parallel",
-    "max_num_batched_tokens": "--batch-size",
+    "max_model_len": "--n_ctx",
+    "max_num_batched_tokens": "--n_batch",
 }
 # Keys with nothing to set there: a GGUF file's weight types were fixed when it was made,
-# and its KV cache has no block size to choose.
-IGNORED_KEYS = ("dtype", "kv_block_size", "block_size")
+# its KV cache has no block size to choose, and it runs one sequence at a time.
+IGNORED_KEYS = ("dtype", "kv_block_size", "block_size", "max_num_seqs")
+# engine_args' KV cache types -> llama.cpp's ggml type numbers (its --type_k takes those)
+GGML_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8}
+CACHE_TYPE_FLAGS = {"cache_type_k": "--type_k", "cache_type_v": "--type_v"}
+
+
+def llama_cpp_python() -> str:
+    return str(
+        engines_cache_dir() / f"llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}" / "bin" / "python"
+    )
 
 
 class LlamaCppAdapter(EngineAdapter):
     name = "llama.cpp"
-    metric_names = LLAMACPP_METRICS
-    drain_method = DrainMethod.IDLE_THEN_SIGTERM
+    metric_names = LLAMA_CPP_PYTHON_METRICS
+    drain_method = DrainMethod.SIGTERM
 
     def default_command(self) -> tuple[str, ...]:
-        return ("llama-server",)
+        python = llama_cpp_python()
+        return (python if os.path.exists(python) else "python3", "-m", LAUNCHER_MODULE)
 
     def arguments(self, spec: EngineSpec) -> list[str]:
+        if "max_num_seqs" in spec.serving_config:
+            positive_int("max_num_seqs", spec.serving_config["max_num_seqs"])
         config = {k: v for k, v in spec.serving_config.items() if k not in IGNORED_KEYS}
-        if "max_model_len" in config:
-            # --ctx-size is shared by the --parallel slots: each gets max_model_len.
-            slots = positive_int("max_num_seqs", config.get("max_num_seqs", 1))
-            config["max_model_len"] = positive_int("max_model_len", config["max_model_len"]) * slots
+        flagged = {k: v for k, v in spec.engine_args.items() if k not in CACHE_TYPE_FLAGS}
+        cache_types: list[str] = []
+        for key, flag in CACHE_TYPE_FLAGS.items():
+            if key in spec.engine_args:
+                cache_types += [flag, str(GGML_TYPES[spec.engine_args[key]])]
         return [
             "--model",
             spec.model(),
@@ -65,16 +97,25 @@ class LlamaCppAdapter(EngineAdapter):
             spec.host,
             "--port",
             str(spec.port),
-            "--alias",
+            "--model_alias",
             spec.served_model_name,
-            "--threads",
+            "--n_threads",
             str(spec.threads),
-            "--metrics",
-            *engine_flags(self.name, spec.engine_args),
+            # A waiting request must not cut a streaming one short (its default does).
+            "--interrupt_requests",
+            "false",
+            "--verbose",
+            "false",
+            *engine_flags(self.name, flagged),
+            *cache_types,
         ]
 
     def environment(self, spec: EngineSpec) -> dict[str, str]:
         environment = super().environment(spec)
+        paths = [str(PLUGINS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+        environment["PYTHONPATH"] = os.pathsep.join(paths)
+        environment[AGENT_NAME_VARIABLE] = spec.agent_name
         if spec.secrets is not None:
             environment[API_KEY_VARIABLE] = spec.secrets.serving
+            environment[ADMIN_SECRET_VARIABLE] = spec.secrets.admin
         return environment

@@ -11,7 +11,7 @@ openai version has no artifact: the server serves whatever model it was started 
 from __future__ import annotations
 
 from agent.engines.base import DrainMethod, EngineAdapter, EngineSpec
-from agent.engines.llamacpp import LLAMACPP_METRICS
+from agent.engines.llamacpp import LLAMA_SERVER_METRICS
 from agent.engines.prometheus import MetricNames, MetricsSnapshot, read_snapshot
 from agent.engines.sglang import SGLANG_METRICS
 from agent.engines.vllm import VLLM_METRICS
@@ -20,7 +20,7 @@ from agent.engines.vllm import VLLM_METRICS
 KNOWN_METRICS: tuple[tuple[str, MetricNames], ...] = (
     ("vllm:", VLLM_METRICS),
     ("sglang:", SGLANG_METRICS),
-    ("llamacpp:", LLAMACPP_METRICS),
+    ("llamacpp:", LLAMA_SERVER_METRICS),
 )
 
 

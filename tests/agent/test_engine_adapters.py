@@ -17,7 +17,7 @@ import pytest
 from agent.config import AgentConfig
 from agent.engines import ADAPTERS, EngineSpec, EngineStartError, adapter_for
 from agent.engines.builtin import BuiltinAdapter
-from agent.engines.llamacpp import LlamaCppAdapter
+from agent.engines.llamacpp import LLAMA_SERVER_METRICS, LlamaCppAdapter
 from agent.engines.openai import OpenAIAdapter
 from agent.engines.prometheus import Histogram, MetricsTextError, read_snapshot
 from agent.engines.sglang import SglangAdapter
@@ -117,15 +117,25 @@ def test_sglang_command_line() -> None:
     assert flag(command, "--api-key") == SECRETS.serving  # SGLang reads it nowhere else
 
 
-def test_llama_cpp_gives_each_slot_the_whole_context() -> None:
-    adapter = LlamaCppAdapter()
-    command = adapter.command(spec(model_path=Path("/models/smol.gguf")))
-    assert command[0] == "llama-server"
-    assert flag(command, "--parallel") == "4"
-    assert flag(command, "--ctx-size") == str(512 * 4)
-    assert flag(command, "--alias") == "smol"
-    assert "--metrics" in command and "--dtype" not in command
-    assert adapter.environment(spec())["LLAMA_API_KEY"] == SECRETS.serving
+def test_llama_cpp_python_command_line() -> None:
+    adapter = LlamaCppAdapter(("python3", "-m", "fleet_llama_cpp_server"))
+    command = adapter.command(
+        spec(model_path=Path("/models/smol.gguf"), engine_args={"cache_type_k": "q8_0"})
+    )
+    assert command[:3] == ["python3", "-m", "fleet_llama_cpp_server"]
+    assert flag(command, "--model") == "/models/smol.gguf"
+    assert flag(command, "--n_ctx") == "512"  # one sequence at a time: no slots to share it
+    assert flag(command, "--n_batch") == "256"
+    assert flag(command, "--model_alias") == "smol"
+    assert flag(command, "--n_threads") == "2"
+    assert flag(command, "--interrupt_requests") == "false"
+    assert flag(command, "--type_k") == "8"  # ggml's number for q8_0
+    assert "--dtype" not in command and "--parallel" not in command
+    environment = adapter.environment(spec())
+    assert environment["API_KEY"] == SECRETS.serving
+    assert environment["ENGINE_ADMIN_SECRET"] == SECRETS.admin
+    assert environment["PYTHONPATH"].split(os.pathsep)[0] == str(PLUGINS_DIR)
+    assert SECRETS.serving not in " ".join(command)
 
 
 def test_each_engine_gets_its_versions_engine_arguments_as_its_own_flags() -> None:
@@ -139,7 +149,7 @@ def test_each_engine_gets_its_versions_engine_arguments_as_its_own_flags() -> No
     )
     assert flag(sglang, "--tp-size") == "2" and "--disable-radix-cache" in sglang
     llama = LlamaCppAdapter().command(spec(engine="llama.cpp", engine_args={"n_gpu_layers": -1}))
-    assert flag(llama, "--n-gpu-layers") == "-1"
+    assert flag(llama, "--n_gpu_layers") == "-1"
     builtin = BuiltinAdapter().command(spec(engine_args={"max_queue": 8}))
     assert flag(builtin, "--max-queue") == "8"
 
@@ -186,8 +196,8 @@ def test_sglang_metrics_from_its_documented_names() -> None:
     assert snapshot.itl is not None and snapshot.itl.mean() == pytest.approx(4.65 / 372)
 
 
-def test_llama_cpp_metrics_mean_inter_token_latency_from_its_counters() -> None:
-    snapshot = LlamaCppAdapter().read_metrics(fixture("llamacpp.metrics.txt"))
+def test_llama_server_metrics_mean_inter_token_latency_from_its_counters() -> None:
+    snapshot = read_snapshot(fixture("llamacpp.metrics.txt"), LLAMA_SERVER_METRICS)
     assert (snapshot.running, snapshot.waiting, snapshot.kv_cache_usage) == (2, 1, 0)
     assert (snapshot.prompt_tokens, snapshot.generation_tokens) == (960, 400)
     assert snapshot.ttft is None

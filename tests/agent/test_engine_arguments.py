@@ -97,5 +97,5 @@ def test_other_engines_options_become_their_flags() -> None:
         "--mem-fraction-static",
         "0.85",
     ]
-    assert engine_flags("llama.cpp", {"n_gpu_layers": -1}) == ["--n-gpu-layers", "-1"]
+    assert engine_flags("llama.cpp", {"n_gpu_layers": -1}) == ["--n_gpu_layers", "-1"]
     assert engine_flags("openai", {"base_url": "http://x", "upstream_model": "m"}) == []
