@@ -101,6 +101,8 @@ class LlamaCppAdapter(EngineAdapter):
             spec.served_model_name,
             "--n_threads",
             str(spec.threads),
+            "--n_threads_batch",  # else it takes every core for prompts
+            str(spec.threads),
             # A waiting request must not cut a streaming one short (its default does).
             "--interrupt_requests",
             "false",
