@@ -6,6 +6,7 @@ from)."""
 from __future__ import annotations
 
 import asyncio
+import importlib
 import importlib.util
 import json
 import os
@@ -311,3 +312,43 @@ def test_an_openai_endpoint_must_be_one_the_control_plane_routes_to(tmp_path: Pa
     assert agent._external_port(load("http://127.0.0.1:18001/"), [18000, 18001]) == [18001]
     with pytest.raises(CommandFailed, match="is not one of this agent's endpoints"):
         agent._external_port(load("http://127.0.0.1:9000"), [18000, 18001])
+
+
+def llama_cpp_launcher() -> Any:
+    """The launcher as llama-cpp-python's environment imports it: from its own folder."""
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.syspath_prepend(str(PLUGINS_DIR))
+    try:
+        return importlib.import_module("fleet_llama_cpp_server")
+    finally:
+        monkeypatch.undo()
+
+
+def test_llama_cpp_launcher_counts_what_passes_through_as_the_adapter_reads_it() -> None:
+    launcher = llama_cpp_launcher()
+    answer = {"usage": {"prompt_tokens": 31, "completion_tokens": 12, "total_tokens": 43}}
+
+    async def llama_app(scope: Any, receive: Any, send: Any) -> None:
+        status = 200 if scope["path"] == "/v1/chat/completions" else 500
+        headers = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
+
+    app = launcher.FleetMiddleware(llama_app)
+    for path in ("/v1/chat/completions", "/v1/chat/completions", "/v1/completions"):
+        asyncio.run(app({"type": "http", "method": "POST", "path": path}, None, _ignore))
+    assert call(app, "/health")[0] == 200
+    status, text = call(app, "/metrics")
+    assert status == 200
+    snapshot = LlamaCppAdapter().read_metrics(text)
+    assert (snapshot.prompt_tokens, snapshot.generation_tokens) == (62, 24)
+    assert (snapshot.requests_ok, snapshot.requests_failed) == (2, 1)
+    assert (snapshot.running, snapshot.waiting, snapshot.kv_cache_usage) == (0, 0, 0)
+    assert snapshot.ttft is None and snapshot.itl is None  # it times nothing
+    app.metrics.in_flight = 3  # one runs, two wait for the model's lock
+    snapshot = LlamaCppAdapter().read_metrics(call(app, "/metrics")[1])
+    assert (snapshot.running, snapshot.waiting) == (1, 2)
+
+
+async def _ignore(message: Any) -> None:
+    return None
