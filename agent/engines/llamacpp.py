@@ -20,6 +20,7 @@ when one runs behind an openai version.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from agent.engines.base import DrainMethod, EngineAdapter, EngineSpec, config_flags, positive_int
 from agent.engines.prometheus import MetricNames
@@ -30,6 +31,7 @@ from engine.config import ADMIN_SECRET_VARIABLE, AGENT_NAME_VARIABLE
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 LAUNCHER_MODULE = "fleet_llama_cpp_server"
 API_KEY_VARIABLE = "API_KEY"
+ENV_STAMP = ".fleet-engine-env"  # scripts/ensure_engine_env.sh writes it once the build is done
 
 # What the launcher counts (plugins/fleet_llama_cpp_server.py). No latency histograms,
 # KV cache use nor preemptions: llama_cpp.server reports none of them.
@@ -65,10 +67,17 @@ GGML_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8}
 CACHE_TYPE_FLAGS = {"cache_type_k": "--type_k", "cache_type_v": "--type_v"}
 
 
+def llama_cpp_env() -> Path:
+    return engines_cache_dir() / f"llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}"
+
+
 def llama_cpp_python() -> str:
-    return str(
-        engines_cache_dir() / f"llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}" / "bin" / "python"
-    )
+    return str(llama_cpp_env() / "bin" / "python")
+
+
+def llama_cpp_env_is_built() -> bool:
+    """The script's stamp, written last: a half-built environment does not count."""
+    return (llama_cpp_env() / ENV_STAMP).exists()
 
 
 class LlamaCppAdapter(EngineAdapter):
@@ -77,8 +86,8 @@ class LlamaCppAdapter(EngineAdapter):
     drain_method = DrainMethod.SIGTERM
 
     def default_command(self) -> tuple[str, ...]:
-        python = llama_cpp_python()
-        return (python if os.path.exists(python) else "python3", "-m", LAUNCHER_MODULE)
+        python = llama_cpp_python() if llama_cpp_env_is_built() else "python3"
+        return (python, "-m", LAUNCHER_MODULE)
 
     def arguments(self, spec: EngineSpec) -> list[str]:
         if "max_num_seqs" in spec.serving_config:

@@ -20,7 +20,7 @@ import pytest
 from django.conf import settings
 from django.test import override_settings
 
-from agent.engines.llamacpp import LlamaCppAdapter, llama_cpp_python
+from agent.engines.llamacpp import LlamaCppAdapter, llama_cpp_env_is_built, llama_cpp_python
 from contracts.streams import Heartbeat
 from controlplane.fleet.endpoint_checks import CheckResult, endpoint_challenge
 from controlplane.fleet.engine_secrets import engine_secrets_payload
@@ -44,7 +44,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.django_db(transaction=True),
     pytest.mark.skipif(
-        not LLAMA_PYTHON.exists(),
+        not llama_cpp_env_is_built(),
         reason=f"llama-cpp-python's server is not installed at {LLAMA_PYTHON.parent.parent} "
         "(make engine-envs, or scripts/ensure_engine_env.sh llama.cpp, builds it)",
     ),
@@ -83,7 +83,13 @@ def test_an_agent_serves_through_llama_cpp_and_heartbeats_carry_its_figures(
 ) -> None:
     with override_settings(ARTIFACT_ROOT=tmp_path / "store"):
         fleet = Fleet(tmp_path)
-        version = llama_version(fleet)
+        serve_through_llama_cpp(fleet, llama_version(fleet), live_server, redis_client)
+
+
+def serve_through_llama_cpp(
+    fleet: Fleet, version: Any, live_server: Any, redis_client: Any
+) -> None:
+    tmp_path = fleet.tmp_path
     port = free_port_pair()
     name = "agent-llama"
     agent_log = tmp_path / "agent.log"
@@ -106,9 +112,10 @@ def test_an_agent_serves_through_llama_cpp_and_heartbeats_carry_its_figures(
         assert [(r["engine"], r["engine_port"]) for r in started] == [("llama.cpp", port)]
         command_line = Path(f"/proc/{started[0]['engine_pid']}/cmdline").read_bytes().split(b"\0")
         assert command_line[0] == str(LLAMA_PYTHON).encode()
-        copy = fleet.tmp_path / name / "artifacts" / version.artifact_id
-        assert Path(command_line[command_line.index(b"--model") + 1].decode()).parent == copy
-        assert command_line[command_line.index(b"--n_batch") + 1 :].count(b"256") >= 1
+        copy = fleet.tmp_path / name / "artifacts" / f"{version.artifact_id}.gguf"
+        assert command_line[command_line.index(b"--model") + 1] == str(copy).encode()
+        batches = [command_line[i + 1] for i, a in enumerate(command_line) if a == b"--n_batch"]
+        assert batches == [b"512", b"256"]  # the serving configuration's, then the argument's
 
         # Its API key is the load's serving secret.
         secrets = engine_secrets_payload(agent_name=name, command_id=load)
