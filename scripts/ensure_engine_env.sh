@@ -59,7 +59,7 @@ PIP_ARGS=()
 if [ -n "${WHEELS:-}" ]; then
     mkdir -p "$WHEELS"
     if ! ls "$WHEELS"/llama_cpp_python-"$VERSION"-*.whl >/dev/null 2>&1; then
-        echo "compiling llama-cpp-python $VERSION (CPU build, 2 jobs; about 10 minutes, once)" >&2
+        echo "compiling llama-cpp-python $VERSION (CPU build, 2 jobs; about 13 minutes on 2 cores, once)" >&2
         CMAKE_ARGS="-DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF" \
             CMAKE_BUILD_PARALLEL_LEVEL=2 \
             "$ENV_DIR/bin/pip" wheel --no-deps --progress-bar off --wheel-dir "$WHEELS" \
