@@ -1,7 +1,7 @@
 """Each engine's adapter: its command line and environment for a serving configuration, what
 it refuses, and its /metrics text read into the heartbeat's figures (vLLM's as it served
-here, SGLang's and llama.cpp's from fixtures: tests/agent/fixtures/ says where each came
-from)."""
+here, SGLang's and llama-server's from fixtures: tests/agent/fixtures/ says where each came
+from; llama_cpp.server's as its launcher writes it)."""
 
 from __future__ import annotations
 
