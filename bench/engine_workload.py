@@ -42,6 +42,7 @@ class Options:
     budget_s: float = BUDGET_S
     skip_reference: bool = False
     reference_dtype: str | None = None  # None: the engine's dtype where it runs natively
+    vllm: bool = True  # vLLM's CPU build as a reference, where its environment is built
 
 
 QUICK = Options(
