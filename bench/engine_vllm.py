@@ -77,7 +77,7 @@ def start(options: Options, folder: Path, log: Path) -> tuple[subprocess.Popen[b
         **os.environ,
         # Compute on as many cores as the engine has threads; by default vLLM keeps one core
         # of its own for its scheduler, and would compute on one of two.
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{options.threads - 1}",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{min(options.threads, os.cpu_count() or 1) - 1}",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         # GiB of KV cache, the engine's share rounded up (vLLM's CPU default is larger)
         "VLLM_CPU_KVCACHE_SPACE": str(max(1, -(-options.kv_cache_mb // 1024))),
@@ -140,4 +140,5 @@ def run_vllm(options: Options, workload: Workload, log: Path, serving_s: float) 
         serving = asyncio.run(run_serving(base, HEADERS, workload, options.in_flight, deadline))
     finally:
         stop(process)
+    log.unlink(missing_ok=True)  # kept only where it failed: its tail is in the error
     return VllmResult(str(version), ready_s, ttft_one, ttft_group, serving)
