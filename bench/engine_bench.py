@@ -426,7 +426,8 @@ def print_vllm(options: Options, vllm: VllmResult, engine_rate: float,
     print(f"vLLM {vllm.version} serving ({options.dtype}, same weights, ready in "
           f"{vllm.ready_s:.0f}s, not counted): {vllm.serving.submitted} requests, "
           f"{options.in_flight} in flight, {vllm.serving.tokens} useful tokens in "
-          f"{vllm.serving.seconds:.1f}s = {rate:.1f} tok/s", flush=True)  # fmt: skip
+          f"{vllm.serving.seconds:.1f}s = {rate:.1f} tok/s; load average "
+          f"{os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     versus_hf = (
         "HF skipped" if reference is None
         else f"engine/HF = {engine_rate / (reference.tokens / reference.seconds):.2f}x"
