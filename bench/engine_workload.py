@@ -42,6 +42,8 @@ class Options:
     budget_s: float = BUDGET_S
     skip_reference: bool = False
     reference_dtype: str | None = None  # None: the engine's dtype where it runs natively
+    # Why vLLM's CPU build is left out as a reference; None: measured where it is built
+    no_vllm: str | None = None
 
 
 QUICK = Options(

@@ -8,7 +8,10 @@ from typing import Any
 import pytest
 
 from bench.__main__ import declared_budget, run_step
-from bench.engine_bench import step_breakdown
+from bench.engine_bench import measure_vllm, step_breakdown
+from bench.engine_client import ServingResult
+from bench.engine_vllm import unavailable
+from bench.engine_workload import Options, make_workload
 from bench.fidelity_bench import compare_ttft_p95_by_version, compare_usage
 from bench.report import normalize_figure, render_markdown, target_met, write_report
 
@@ -175,3 +178,27 @@ def test_the_ingest_profile_names_functions_that_exist():
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
         }
         assert function in names, f"{label.strip()}: no {function} in {path}"
+
+
+def test_the_vllm_reference_says_why_it_is_skipped(tmp_path, monkeypatch):
+    # an empty cache: the engines' environments are not built there
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    reason = unavailable(Options())
+    assert reason is not None and "ensure_engine_env.sh vllm" in reason
+    assert str(tmp_path) in reason
+    assert unavailable(Options(dtype="int8")) is not None
+
+
+def test_a_skipped_vllm_reference_is_printed_and_noted(capsys):
+    workload = make_workload(2, (4, 8), (2, 4))
+    notes: list[str] = []
+    served = ServingResult(1.0, 6, 2)
+    assert measure_vllm(Options(no_vllm="--no-vllm given"), workload, served, notes) == (
+        None,
+        "--no-vllm given",
+    )
+    assert notes == ["vLLM reference skipped: --no-vllm given"]
+    assert "vLLM reference: skipped: --no-vllm given" in capsys.readouterr().out
+    # nothing served by the engine: nothing for vLLM to serve either
+    _, reason = measure_vllm(Options(), workload, ServingResult(1.0, 0, 0), [])
+    assert reason is not None
