@@ -13,7 +13,7 @@ from django.utils import timezone
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from controlplane.audit.models import AuditEvent
-from controlplane.fleet.models import AgentCommand, CommandStatus
+from controlplane.fleet.models import FINAL_COMMAND_STATUSES, AgentCommand, CommandStatus
 from controlplane.rollouts.analysis import SIGNALS, Verdict
 from controlplane.rollouts.models import AnalysisRun, Deployment, Rollout, RolloutState
 
@@ -48,14 +48,23 @@ class DecisionsCollector:
         yield verdicts
         yield _signal_verdicts()
 
-        commands = CounterMetricFamily(
-            "fleet_commands", "Agent commands sent, by their last status", labels=["kind", "status"]
+        # A command moves pending -> accepted -> a final status: only the final statuses
+        # are counters (they never fall); the others are a gauge of commands still open.
+        finished = CounterMetricFamily(
+            "fleet_commands", "Agent commands finished, by final status", labels=["kind", "status"]
+        )
+        still_open = GaugeMetricFamily(
+            "fleet_commands_open",
+            "Agent commands not finished yet, by status (pending or accepted)",
+            labels=["kind", "status"],
         )
         for kind, status, n in AgentCommand.objects.values_list("kind", "status").annotate(
             n=Count("id")
         ):
-            commands.add_metric([kind, status], n)
-        yield commands
+            family = finished if status in FINAL_COMMAND_STATUSES else still_open
+            family.add_metric([kind, status], n)
+        yield finished
+        yield still_open
         yield from _unacknowledged_commands()
 
         behind = Deployment.objects.filter(applied_revision__lt=F("routing_revision"))

@@ -125,7 +125,7 @@ def test_commands_not_acknowledged_by_their_agent(redis_client) -> None:
     waiting = scrape()
     assert waiting[("fleet_commands_unacknowledged", (("kind", "drain"),))] == 1
     assert waiting[("fleet_commands_oldest_unacknowledged_seconds", ())] >= 0
-    assert waiting[("fleet_commands_total", (("kind", "drain"), ("status", "pending")))] == 1
+    assert waiting[("fleet_commands_open", (("kind", "drain"), ("status", "pending")))] == 1
 
     fleet_services.command_results_apply(
         results=[
@@ -142,4 +142,22 @@ def test_commands_not_acknowledged_by_their_agent(redis_client) -> None:
     acknowledged = scrape()
     assert ("fleet_commands_unacknowledged", (("kind", "drain"),)) not in acknowledged
     assert acknowledged[("fleet_commands_oldest_unacknowledged_seconds", ())] == 0
-    assert acknowledged[("fleet_commands_total", (("kind", "drain"), ("status", "accepted")))] == 1
+    assert acknowledged[("fleet_commands_open", (("kind", "drain"), ("status", "accepted")))] == 1
+    assert ("fleet_commands_open", (("kind", "drain"), ("status", "pending"))) not in acknowledged
+    assert ("fleet_commands_total", (("kind", "drain"), ("status", "accepted"))) not in acknowledged
+
+    fleet_services.command_results_apply(
+        results=[
+            CommandResult(
+                command_id=sent.command_id,
+                agent="agent-a",
+                kind="drain",
+                status=CommandStatus.SUCCEEDED,
+                detail="",
+                finished_at=time.time(),
+            )
+        ]
+    )
+    finished = scrape()
+    assert finished[("fleet_commands_total", (("kind", "drain"), ("status", "succeeded")))] == 1
+    assert ("fleet_commands_open", (("kind", "drain"), ("status", "accepted"))) not in finished
