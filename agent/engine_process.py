@@ -36,6 +36,8 @@ IDLE_POLL_S = 0.2
 _keys = itertools.count(1)
 # How long to wait for the rest of an exited engine's output before reporting why it failed.
 OUTPUT_DRAIN_S = 2.0
+# How long an engine that reported failed while starting gets to exit (ours exits at once).
+FAILED_EXIT_GRACE_S = 3.0
 
 __all__ = ["EngineProcess", "EngineSpec", "EngineStartError", "engine_error"]
 
@@ -221,8 +223,7 @@ class EngineProcess:
             if readiness is Readiness.READY:
                 return
             if readiness is Readiness.FAILED:
-                error = self.failed_error(while_starting=True)
-                raise EngineStartError(f"engine {error.message}", error)
+                raise EngineStartError(*self._start_failure())
             time.sleep(0.2)
         error = engine_error(
             EngineFailure.NOT_READY,
@@ -231,6 +232,18 @@ class EngineProcess:
             self.first_error(),
         )
         raise EngineStartError(f"engine {error.message}", error)
+
+    def _start_failure(self) -> tuple[str, EngineError]:
+        """An engine that says it failed while starting usually exits a moment later: wait
+        for that, so one failure gets one reason (exited) whichever the agent sees first."""
+        deadline = time.monotonic() + FAILED_EXIT_GRACE_S
+        while self.exit_code() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.exit_code() is not None:
+            error = self.exit_error(while_starting=True)
+        else:
+            error = self.failed_error(while_starting=True)
+        return f"engine {error.message}", error
 
     def scrape(self) -> MetricsSnapshot | None:
         """Its /metrics read into the heartbeat's figures; None when it does not answer."""
