@@ -221,6 +221,7 @@ class EngineProcess:
                 raise EngineStartError(f"engine {error.message}", error)
             readiness = self.health()
             if readiness is Readiness.READY:
+                self._apply_start_faults()
                 return
             if readiness is Readiness.FAILED:
                 raise EngineStartError(*self._start_failure())
@@ -232,6 +233,20 @@ class EngineProcess:
             self.first_error(),
         )
         raise EngineStartError(f"engine {error.message}", error)
+
+    def _apply_start_faults(self) -> None:
+        """The faults the load starts with, for an engine that takes them by request."""
+        spec = self.spec
+        if self.adapter.faults_on_command_line or not (
+            spec.fault_latency_ms or spec.fault_error_rate
+        ):
+            return
+        try:
+            self.set_faults(
+                latency_ms_per_token=spec.fault_latency_ms, error_rate=spec.fault_error_rate
+            )
+        except (httpx.HTTPError, RuntimeError) as exc:
+            raise EngineStartError(f"the engine refused the agent's faults: {exc}") from exc
 
     def _start_failure(self) -> tuple[str, EngineError]:
         """An engine that says it failed while starting usually exits a moment later: wait

@@ -7,6 +7,7 @@ its heartbeat figures come from. It holds no process: agent/engine_process.py ru
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -18,7 +19,13 @@ import httpx
 from agent.engines.prometheus import MetricNames, MetricsSnapshot, read_snapshot
 from contracts.engines import BUILTIN, FORMAT_GGUF, FORMAT_HF_FOLDER, NO_ARTIFACT, SERVES
 from contracts.streams import EngineError
-from engine.config import EngineSecrets
+from engine.config import ADMIN_SECRET_VARIABLE, AGENT_NAME_VARIABLE, EngineSecrets
+
+# ASGI middleware of ours an engine that is not ours loads by import path (vLLM's
+# --middleware, llama.cpp's launcher): GET /identity and /admin/faults as our engine has.
+PLUGINS_DIR = Path(__file__).resolve().parent / "plugins"
+IDENTITY_MIDDLEWARE = "fleet_engine_identity.IdentityMiddleware"
+FAULT_MIDDLEWARE = "fleet_engine_faults.FaultMiddleware"
 
 
 class EngineStartError(RuntimeError):
@@ -116,6 +123,23 @@ def config_flags(
     return arguments
 
 
+def address_flags(spec: EngineSpec, name_flag: str = "--served-model-name") -> list[str]:
+    """Where it listens and the model name it answers to, as most engines spell them."""
+    return ["--host", spec.host, "--port", str(spec.port), name_flag, spec.served_model_name]
+
+
+def plugin_environment(spec: EngineSpec, api_key_variable: str) -> dict[str, str]:
+    """For an engine that loads our middleware (PLUGINS_DIR on its path): the agent it
+    proves it serves for, the admin secret it proves it with (and that opens
+    /admin/faults), and the serving secret as the engine's API key in `api_key_variable`."""
+    paths = [str(PLUGINS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+    environment = {"PYTHONPATH": os.pathsep.join(paths), AGENT_NAME_VARIABLE: spec.agent_name}
+    if spec.secrets is not None:
+        environment[api_key_variable] = spec.secrets.serving
+        environment[ADMIN_SECRET_VARIABLE] = spec.secrets.admin
+    return environment
+
+
 class EngineAdapter:
     """The shared interface; one subclass per backend (agent/engines/<backend>.py)."""
 
@@ -124,7 +148,10 @@ class EngineAdapter:
     drain_method: ClassVar[DrainMethod] = DrainMethod.SIGTERM
     health_path: ClassVar[str] = "/health"
     metrics_path: ClassVar[str] = "/metrics"
-    supports_faults: ClassVar[bool] = False  # POST /admin/faults (ours only)
+    supports_faults: ClassVar[bool] = False  # it answers POST /admin/faults
+    # The faults a load starts with go on its command line (ours); else they are posted
+    # to /admin/faults once it is ready.
+    faults_on_command_line: ClassVar[bool] = False
     starts_process: ClassVar[bool] = True
 
     def __init__(self, command: tuple[str, ...] | None = None) -> None:

@@ -11,7 +11,14 @@ import sys
 
 import httpx
 
-from agent.engines.base import DrainMethod, EngineAdapter, EngineSpec, Readiness, config_flags
+from agent.engines.base import (
+    DrainMethod,
+    EngineAdapter,
+    EngineSpec,
+    Readiness,
+    address_flags,
+    config_flags,
+)
 from agent.engines.vllm import VLLM_METRICS
 from contracts.engines import engine_flags
 
@@ -32,6 +39,7 @@ class BuiltinAdapter(EngineAdapter):
     metric_names = VLLM_METRICS
     drain_method = DrainMethod.ADMIN_REQUEST
     supports_faults = True
+    faults_on_command_line = True
 
     def default_command(self) -> tuple[str, ...]:
         return (sys.executable, "-m", "engine", "serve")
@@ -43,12 +51,7 @@ class BuiltinAdapter(EngineAdapter):
             *config_flags(
                 spec.serving_config, SERVING_CONFIG_FLAGS, engine=self.name, dtypes=DTYPES
             ),
-            "--host",
-            spec.host,
-            "--port",
-            str(spec.port),
-            "--served-model-name",
-            spec.served_model_name,
+            *address_flags(spec),
             "--threads",
             str(spec.threads),
             "--fault-latency-ms",

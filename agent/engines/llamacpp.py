@@ -19,14 +19,20 @@ when one runs behind an openai version.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from agent.engines.base import DrainMethod, EngineAdapter, EngineSpec, config_flags, positive_int
+from agent.engines.base import (
+    DrainMethod,
+    EngineAdapter,
+    EngineSpec,
+    address_flags,
+    config_flags,
+    plugin_environment,
+    positive_int,
+)
 from agent.engines.prometheus import MetricNames
-from agent.engines.vllm import PLUGINS_DIR, engines_cache_dir
+from agent.engines.vllm import engines_cache_dir
 from contracts.engines import engine_flags
-from engine.config import ADMIN_SECRET_VARIABLE, AGENT_NAME_VARIABLE
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 LAUNCHER_MODULE = "fleet_llama_cpp_server"
@@ -84,6 +90,7 @@ class LlamaCppAdapter(EngineAdapter):
     name = "llama.cpp"
     metric_names = LLAMA_CPP_PYTHON_METRICS
     drain_method = DrainMethod.SIGTERM
+    supports_faults = True  # through plugins/fleet_engine_faults.py, in the launcher
 
     def default_command(self) -> tuple[str, ...]:
         python = llama_cpp_python() if llama_cpp_env_is_built() else "python3"
@@ -102,12 +109,7 @@ class LlamaCppAdapter(EngineAdapter):
             "--model",
             spec.model(),
             *config_flags(config, SERVING_CONFIG_FLAGS, engine=self.name, dtypes={}),
-            "--host",
-            spec.host,
-            "--port",
-            str(spec.port),
-            "--model_alias",
-            spec.served_model_name,
+            *address_flags(spec, name_flag="--model_alias"),
             "--n_threads",
             str(spec.threads),
             "--n_threads_batch",  # else it takes every core for prompts
@@ -122,11 +124,4 @@ class LlamaCppAdapter(EngineAdapter):
         ]
 
     def environment(self, spec: EngineSpec) -> dict[str, str]:
-        environment = super().environment(spec)
-        paths = [str(PLUGINS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
-        environment["PYTHONPATH"] = os.pathsep.join(paths)
-        environment[AGENT_NAME_VARIABLE] = spec.agent_name
-        if spec.secrets is not None:
-            environment[API_KEY_VARIABLE] = spec.secrets.serving
-            environment[ADMIN_SECRET_VARIABLE] = spec.secrets.admin
-        return environment
+        return {**super().environment(spec), **plugin_environment(spec, API_KEY_VARIABLE)}

@@ -9,7 +9,13 @@ sends SIGTERM.
 
 from __future__ import annotations
 
-from agent.engines.base import DrainMethod, EngineAdapter, EngineSpec, config_flags
+from agent.engines.base import (
+    DrainMethod,
+    EngineAdapter,
+    EngineSpec,
+    address_flags,
+    config_flags,
+)
 from agent.engines.prometheus import MetricNames
 from contracts.engines import engine_flags
 
@@ -52,12 +58,7 @@ class SglangAdapter(EngineAdapter):
             *config_flags(
                 spec.serving_config, SERVING_CONFIG_FLAGS, engine=self.name, dtypes=DTYPES
             ),
-            "--host",
-            spec.host,
-            "--port",
-            str(spec.port),
-            "--served-model-name",
-            spec.served_model_name,
+            *address_flags(spec),
             "--enable-metrics",
             *engine_flags(self.name, spec.engine_args),
         ]

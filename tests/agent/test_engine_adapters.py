@@ -5,26 +5,21 @@ from; llama_cpp.server's as its launcher writes it)."""
 
 from __future__ import annotations
 
-import asyncio
-import importlib
-import importlib.util
-import json
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from agent.config import AgentConfig
 from agent.engines import ADAPTERS, EngineSpec, EngineStartError, adapter_for
+from agent.engines.base import PLUGINS_DIR
 from agent.engines.builtin import BuiltinAdapter
 from agent.engines.llamacpp import LLAMA_SERVER_METRICS, LlamaCppAdapter
 from agent.engines.openai import OpenAIAdapter
 from agent.engines.prometheus import Histogram, MetricsTextError, read_snapshot
 from agent.engines.sglang import SglangAdapter
-from agent.engines.vllm import PLUGINS_DIR, VLLM_METRICS, VllmAdapter
+from agent.engines.vllm import VLLM_METRICS, VllmAdapter
 from agent.runner import Agent, CommandFailed
-from contracts.engine_identity import is_identity_proof_valid, new_nonce
 from contracts.engines import ENGINES
 from contracts.streams import LoadPayload, parse_load_payload
 from engine.config import EngineSecrets
@@ -235,59 +230,6 @@ def test_histogram_quantiles_interpolate_within_a_bucket_and_difference_between_
     assert Histogram(buckets=(), sum=0, count=0).quantile(0.5) is None
 
 
-def identity_middleware() -> Any:
-    """The middleware as vLLM imports it: from its own folder, not as part of the agent."""
-    path = PLUGINS_DIR / "fleet_engine_identity.py"
-    module_spec = importlib.util.spec_from_file_location("fleet_engine_identity", path)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.IdentityMiddleware
-
-
-def call(app: Any, path: str, query: str = "") -> tuple[int, Any]:
-    """One GET through an ASGI app: its status and its body (JSON, else text)."""
-    scope = {"type": "http", "method": "GET", "path": path, "query_string": query.encode()}
-    messages: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        messages.append(message)
-
-    asyncio.run(app(scope, receive, send))
-    body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
-    status = messages[0]["status"]
-    try:
-        return status, json.loads(body)
-    except ValueError:
-        return status, body.decode()
-
-
-async def engine_app(scope: Any, receive: Any, send: Any) -> None:
-    """What vLLM would answer (the middleware passes everything else on)."""
-    await send({"type": "http.response.start", "status": 200, "headers": []})
-    await send({"type": "http.response.body", "body": f"engine {scope['path']}".encode()})
-
-
-def test_vllm_answers_for_its_agent_as_our_engine_does(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ENGINE_ADMIN_SECRET", SECRETS.admin)
-    monkeypatch.setenv("ENGINE_AGENT_NAME", "agent-1")
-    app = identity_middleware()(engine_app)
-    nonce = new_nonce()
-    status, body = call(app, "/identity", f"nonce={nonce}")
-    assert status == 200 and body["agent"] == "agent-1"
-    assert is_identity_proof_valid(
-        admin_secret=SECRETS.admin, agent="agent-1", nonce=nonce, proof=body["proof"]
-    )
-    status, body = call(app, "/identity", "nonce=xyz")
-    assert (status, body["error"]["code"]) == (400, "invalid_nonce")
-    assert call(app, "/v1/models") == (200, "engine /v1/models")
-    monkeypatch.delenv("ENGINE_ADMIN_SECRET")
-    assert call(identity_middleware()(engine_app), "/identity", f"nonce={nonce}")[0] == 503
-
-
 def test_an_openai_endpoint_must_be_one_the_control_plane_routes_to(tmp_path: Path) -> None:
     config = AgentConfig(
         name="agent-1",
@@ -312,43 +254,3 @@ def test_an_openai_endpoint_must_be_one_the_control_plane_routes_to(tmp_path: Pa
     assert agent._external_port(load("http://127.0.0.1:18001/"), [18000, 18001]) == [18001]
     with pytest.raises(CommandFailed, match="is not one of this agent's endpoints"):
         agent._external_port(load("http://127.0.0.1:9000"), [18000, 18001])
-
-
-def llama_cpp_launcher() -> Any:
-    """The launcher as llama-cpp-python's environment imports it: from its own folder."""
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.syspath_prepend(str(PLUGINS_DIR))
-    try:
-        return importlib.import_module("fleet_llama_cpp_server")
-    finally:
-        monkeypatch.undo()
-
-
-def test_llama_cpp_launcher_counts_what_passes_through_as_the_adapter_reads_it() -> None:
-    launcher = llama_cpp_launcher()
-    answer = {"usage": {"prompt_tokens": 31, "completion_tokens": 12, "total_tokens": 43}}
-
-    async def llama_app(scope: Any, receive: Any, send: Any) -> None:
-        status = 200 if scope["path"] == "/v1/chat/completions" else 500
-        headers = [(b"content-type", b"application/json")]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
-
-    app = launcher.FleetMiddleware(llama_app)
-    for path in ("/v1/chat/completions", "/v1/chat/completions", "/v1/completions"):
-        asyncio.run(app({"type": "http", "method": "POST", "path": path}, None, _ignore))
-    assert call(app, "/health")[0] == 200
-    status, text = call(app, "/metrics")
-    assert status == 200
-    snapshot = LlamaCppAdapter().read_metrics(text)
-    assert (snapshot.prompt_tokens, snapshot.generation_tokens) == (62, 24)
-    assert (snapshot.requests_ok, snapshot.requests_failed) == (2, 1)
-    assert (snapshot.running, snapshot.waiting, snapshot.kv_cache_usage) == (0, 0, 0)
-    assert snapshot.ttft is None and snapshot.itl is None  # it times nothing
-    app.metrics.in_flight = 3  # one runs, two wait for the model's lock
-    snapshot = LlamaCppAdapter().read_metrics(call(app, "/metrics")[1])
-    assert (snapshot.running, snapshot.waiting) == (1, 2)
-
-
-async def _ignore(message: Any) -> None:
-    return None

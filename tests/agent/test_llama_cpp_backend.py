@@ -1,9 +1,10 @@
 """A real agent serves SmolLM2's GGUF through llama-cpp-python's server: the file is
 registered as a version on the llama.cpp engine with an engine argument; the agent loads it
 through the fleet API, verifies it, starts the server from its own environment (through the
-launcher that adds /identity, /health and /metrics), reports ready, the server proves its
-identity to the control plane, its heartbeats carry the figures the launcher counts, and a
-drain lets it finish the request in flight before it exits.
+launcher that adds /identity, /health, /metrics and streamed usage), reports ready, the
+server proves its identity to the control plane, its heartbeats carry the figures the
+launcher counts, a tenant's chat streamed through the gateway is metered with the server's
+exact usage, and a drain lets it finish the request in flight before it exits.
 
 llama.cpp loads the file in about a second: the one test below starts it once. Skipped when
 its environment is not built (`make engine-envs` builds it; `make test` does first).
@@ -11,12 +12,14 @@ its environment is not built (`make engine-envs` builds it; `make test` does fir
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import redis
 from django.conf import settings
 from django.test import override_settings
 
@@ -25,6 +28,9 @@ from contracts.streams import Heartbeat
 from controlplane.fleet.endpoint_checks import CheckResult, endpoint_challenge
 from controlplane.fleet.engine_secrets import engine_secrets_payload
 from controlplane.registry import services as registry_services
+from controlplane.rollouts import deployments
+from controlplane.rollouts.reconciler import reconcile_deployment
+from controlplane.tenants.services import api_key_create, tenant_create
 from tests.agent.test_agent_processes import (
     MODEL_FILE,
     SERVING_CONFIG,
@@ -37,7 +43,8 @@ from tests.agent.test_agent_processes import (
     running,
 )
 from tests.agent.test_vllm_backend import final_result, heartbeats
-from tests.conftest import wait_until
+from tests.conftest import stop_process, wait_until
+from tests.gateway.conftest import start_gateway
 
 LLAMA_PYTHON = Path(llama_cpp_python())
 pytestmark = [
@@ -167,6 +174,11 @@ def serve_through_llama_cpp(
         # llama_cpp.server reports no latencies: those fields stay empty.
         assert all(b.ttft_p50_s is None and b.itl_mean_s is None for b in counted)
 
+        # A tenant's chat streamed through the gateway counts what the server counts for
+        # the same question (its streams carry no usage: the launcher adds it).
+        streamed = stream_through_gateway(fleet, version, redis_client, question)
+        assert streamed == {k: usage[k] for k in ("prompt_tokens", "completion_tokens")}
+
         # A drain while a request is in flight: the server finishes it, then exits.
         replies: list[httpx.Response] = []
         long_question = {**question, "max_tokens": 160, "min_tokens": 160}  # its own field
@@ -190,3 +202,44 @@ def serve_through_llama_cpp(
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{endpoint}/health", timeout=2)
         assert agent.poll() is None  # the agent goes on, idle
+
+
+def stream_through_gateway(
+    fleet: Fleet, version: Any, redis_client: redis.Redis, question: dict[str, Any]
+) -> dict[str, int]:
+    """The version made a deployment's stable, routed by the reconciler, and `question`
+    streamed through a gateway process by a tenant asking for usage: the usage it got."""
+    deployment = deployments.deployment_create(actor=None, name="smol", stable_version=version)
+    tenant = tenant_create(actor=None, slug="acme", name="Acme", allowed_models=[fleet.model])
+    key = api_key_create(actor=None, tenant=tenant, name="test").raw_key
+    gateway = start_gateway(fleet.tmp_path, fleet.tmp_path / "spool")
+    try:
+        asked = {**question, "stream": True, "stream_options": {"include_usage": True}}
+
+        def ask() -> httpx.Response:
+            reconcile_deployment(deployment_id=deployment.pk)
+            return httpx.post(
+                f"{gateway.url}/v1/chat/completions",
+                json=asked,
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=60,
+            )
+
+        # Routed once the server has proved its identity and the gateway has the table.
+        wait_until(
+            lambda: ask().status_code == 200,
+            timeout=60,
+            interval=1.0,
+            message=lambda: logs(gateway.log),
+        )
+        events = [
+            json.loads(line.removeprefix("data: "))
+            for line in ask().text.splitlines()
+            if line.startswith("data: {")
+        ]
+        assert [event for event in events if event.get("error")] == []
+        usages = [event["usage"] for event in events if event.get("usage")]
+        assert len(usages) == 1 and events[-1]["choices"] == []  # last, as OpenAI's is
+        return {k: usages[0][k] for k in ("prompt_tokens", "completion_tokens")}
+    finally:
+        stop_process(gateway.process, timeout=30)

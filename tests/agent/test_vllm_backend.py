@@ -66,27 +66,32 @@ VLLM_CONFIG = {**SERVING_CONFIG, "dtype": "bfloat16", "kv_block_size": 32}
 VLLM_ARGS = {"seed": 7}
 
 
-def vllm_version(fleet: Fleet, tmp_path: Path) -> Any:
-    """The GGUF written out as a folder, stored, registered on vllm, signed and verified."""
+def export_folder(tmp_path: Path) -> Path:
+    """SmolLM2's GGUF written out as a Hugging Face folder (engine/hf_export.py)."""
     folder = tmp_path / "smollm2-hf"
     command = [sys.executable, "-m", "engine.hf_export", str(MODEL_FILE), str(folder)]
     subprocess.run(command, check=True, capture_output=True, timeout=300)
-    artifact, _ = registry_services.artifact_store_folder(actor=None, path=folder)
+    return folder
+
+
+def vllm_version(
+    model: Any, signer: Any, tmp_path: Path, config: dict[str, Any] = VLLM_CONFIG
+) -> Any:
+    """The GGUF written out as a folder, stored, registered on vllm, signed and verified."""
+    artifact, _ = registry_services.artifact_store_folder(actor=None, path=export_folder(tmp_path))
     assert artifact.format == "hf-safetensors"
     version = registry_services.version_register(
         actor=None,
-        model=fleet.model,
+        model=model,
         label="bf16-vllm",
         artifact_digest=artifact.digest,
-        serving_config=VLLM_CONFIG,
+        serving_config=config,
         engine="vllm",
         engine_args=VLLM_ARGS,
     )
-    signature = fleet.signer.sign(
-        artifact.digest, VLLM_CONFIG, engine="vllm", engine_args=VLLM_ARGS
-    )
+    signature = signer.sign(artifact.digest, config, engine="vllm", engine_args=VLLM_ARGS)
     return registry_services.version_verify(
-        actor=None, version=version, key_id=fleet.signer.key_id, signature=signature
+        actor=None, version=version, key_id=signer.key_id, signature=signature
     )
 
 
@@ -114,7 +119,8 @@ def test_an_agent_serves_through_vllm_and_heartbeats_carry_its_figures(
 ) -> None:
     with override_settings(ARTIFACT_ROOT=tmp_path / "store"):
         fleet = Fleet(tmp_path)
-        serve_through_vllm(fleet, vllm_version(fleet, tmp_path), live_server, redis_client)
+        version = vllm_version(fleet.model, fleet.signer, tmp_path)
+        serve_through_vllm(fleet, version, live_server, redis_client)
 
 
 def serve_through_vllm(fleet: Fleet, version: Any, live_server: Any, redis_client: Any) -> None:

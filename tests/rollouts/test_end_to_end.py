@@ -1,7 +1,8 @@
 """Rollouts end to end, nothing mocked.
 
 One set of processes serves the whole module: two agents (`python -m agent --threads 1`,
-each running the real engine on SmolLM2-135M), a Celery worker and beat on this run's
+each running the real engine on SmolLM2-135M, or vLLM's CPU build for the vLLM
+candidate), a Celery worker and beat on this run's
 queue (analysis and reconcile every second), `manage.py ingest`, the gateway
 (`uvicorn controlplane.asgi`, which also serves the control plane's REST API to the
 agents), PostgreSQL and Redis. Two client threads stream chat completions through the
@@ -19,6 +20,7 @@ request), not about which precision is faster.
 """
 
 import itertools
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import redis
@@ -38,7 +41,8 @@ from rest_framework.test import APIClient
 from contracts.routing import parse_routing_table, routing_key
 from controlplane.audit.models import AuditEvent
 from controlplane.core.roles import Role
-from controlplane.fleet.models import Agent
+from controlplane.fleet.engine_secrets import engine_secrets_payload
+from controlplane.fleet.models import Agent, AgentCommand
 from controlplane.registry import services as registry_services
 from controlplane.registry.models import EvalKind, EvalSuite, Evaluation, Model, SigningKey
 from controlplane.rollouts import deployments, transitions
@@ -52,6 +56,7 @@ from tests.agent.test_agent_processes import (
     free_port_pair,
     ingest_args,
 )
+from tests.agent.test_vllm_backend import VLLM_PYTHON, VLLM_READY_S, vllm_version
 from tests.api.support import Signer, make_user
 from tests.conftest import PYTHON, start_process, stop_process, wait_until
 from tests.gateway.conftest import start_gateway
@@ -85,6 +90,23 @@ WIDE_POLICY = {
     "max_extensions": 20,
 }
 READY_S = 240
+# What the client threads ask, streamed, over and over.
+TRAFFIC_REQUEST: dict[str, Any] = {
+    "model": DEPLOYMENT,
+    "messages": [{"role": "user", "content": "Say hello."}],
+    "max_tokens": 4,
+    "temperature": 0,
+}
+# vLLM's CPU build: the candidate of the engine-changing rollouts; its attention takes KV
+# blocks of a multiple of 32 tokens.
+VLLM_CONFIG = {**CONFIG, "dtype": "bfloat16", "kv_block_size": 32}
+needs_vllm = pytest.mark.skipif(
+    not VLLM_PYTHON.exists(),
+    reason=f"vLLM's CPU build is not installed at {VLLM_PYTHON.parent.parent} "
+    "(make engine-envs builds it)",
+)
+# vLLM starts in one to three minutes on two busy cores; its rollouts wait that long.
+VLLM_ROLLOUT_S = VLLM_READY_S + 120
 
 
 @dataclass
@@ -111,13 +133,7 @@ class Traffic:
         )
         while not self.stop.is_set():
             try:
-                stream = client.chat.completions.create(
-                    model=DEPLOYMENT,
-                    messages=[{"role": "user", "content": "Say hello."}],
-                    max_tokens=4,
-                    temperature=0,
-                    stream=True,
-                )
+                stream = client.chat.completions.create(**TRAFFIC_REQUEST, stream=True)
                 text = "".join(
                     chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices
                 )
@@ -272,10 +288,10 @@ def stack(committed_db, django_db_blocker, tmp_path_factory) -> Iterator[Stack]:
             processes.append(gateway.process)
             logs.append(gateway.log)
             for name in ("agent-1", "agent-2"):
-                start(
-                    name,
-                    agent_args(name, free_port_pair(), settings.REDIS_URL, gateway.url, Holder()),
-                )
+                args = agent_args(name, free_port_pair(), settings.REDIS_URL, gateway.url, Holder())
+                # vLLM takes minutes to start here, and this much memory for its KV cache (GiB).
+                args += ["--engine-ready-timeout", str(VLLM_READY_S)]
+                start(name, args, VLLM_CPU_KVCACHE_SPACE="1")
 
             deployment = deployments.deployment_create(
                 actor=None, name=DEPLOYMENT, stable_version=versions["f32"]
@@ -292,6 +308,8 @@ def stack(committed_db, django_db_blocker, tmp_path_factory) -> Iterator[Stack]:
             key = api_key_create(actor=None, tenant=tenant, name="e2e").raw_key
             monitor = RoutingMonitor(client=client)
             traffic = Traffic(url=gateway.url, key=key)
+            if VLLM_PYTHON.exists():
+                versions["vllm"] = vllm_version(model, signer, tmp, VLLM_CONFIG)
             stack = Stack(
                 tmp, versions, deployment, traffic, monitor, client, on_call, logs, release_manager
             )
@@ -631,3 +649,135 @@ def test_d_revoking_the_candidate_mid_rollout_stops_serving_it(stack, django_db_
         assert not RequestSample.objects.filter(
             version=candidate, finished_at__gt=drained_at
         ).exists()
+
+
+def engine_usage(agent: Agent, version: Any) -> dict[str, int]:
+    """The usage the engine on `agent` reports itself for the traffic's request, asked
+    directly (not streamed) with the serving secret of its load."""
+    load = AgentCommand.objects.filter(agent=agent, kind="load", version=version).latest("id")
+    secret = engine_secrets_payload(agent_name=agent.name, command_id=load.command_id)
+    answer = httpx.post(
+        f"{agent.endpoint}/v1/chat/completions",
+        json=TRAFFIC_REQUEST,
+        headers={"Authorization": f"Bearer {secret['serving_secret']}"},
+        timeout=120,
+    )
+    assert answer.status_code == 200, answer.text
+    usage = answer.json()["usage"]
+    return {
+        "prompt_tokens": usage["prompt_tokens"],
+        "completion_tokens": usage["completion_tokens"],
+    }
+
+
+def assert_usage_is_the_engines(version: Any, expected: dict[str, int]) -> None:
+    """Every request the gateway metered for `version` counts what the engine counts (the
+    traffic's requests are all the same, greedy), not the gateway's estimate."""
+    samples = RequestSample.objects.filter(version=version, is_error=False)
+    counted = set(samples.values_list("prompt_tokens", "completion_tokens"))
+    assert counted == {(expected["prompt_tokens"], expected["completion_tokens"])}, json.dumps(
+        sorted(counted)
+    )
+
+
+@needs_vllm
+@pytest.mark.timeout(VLLM_ROLLOUT_S + 300)
+def test_e_a_faulty_vllm_canary_is_rolled_back(stack, django_db_blocker) -> None:
+    """Stable on our engine, canary on vLLM: the canary's fault (injected through the
+    middleware the agent gives vLLM) rolls it back, as it would on our engine."""
+    with django_db_blocker.unblock():
+        baseline_id = stack.stable_id()
+        candidate = stack.versions["vllm"]
+        traffic_start = stack.traffic.mark()
+        rollout = deployments.rollout_create(
+            actor=None,
+            deployment=stack.deployment,
+            candidate=candidate,
+            stages=[
+                {"weight": 50, "min_duration_s": 600, "min_requests": 2},
+                {"weight": 100, "min_duration_s": 2, "min_requests": 2},
+            ],
+            policy={**WIDE_POLICY, "hard_breach_window": 4, "hard_error_rate_max": 0.5},
+            reason="e2e: faulty vLLM candidate",
+        )
+        wait_until(
+            lambda: stack.routed() == {baseline_id: 50, candidate.pk: 50},
+            timeout=VLLM_ROLLOUT_S,
+            interval=0.5,
+            message=stack.tail,
+        )
+        wait_until(
+            lambda: RequestSample.objects.filter(version=candidate, is_error=False).count() >= 2,
+            timeout=120,
+            message=stack.tail,
+        )
+        agent = Agent.objects.get(loaded_version=candidate, state="ready")
+        # The tenant's streamed chats through vLLM are metered with vLLM's own counts.
+        assert_usage_is_the_engines(candidate, engine_usage(agent, candidate))
+        assert [o for o in stack.traffic.since(traffic_start) if not o.ok] == []
+
+        api = APIClient()
+        api.force_login(stack.on_call)
+        response = api.post(
+            f"/api/v1/fleet/agents/{agent.name}/commands/",
+            {"kind": "faults", "latency_ms_per_token": 0, "error_rate": 1.0, "reason": "drill"},
+            format="json",
+        )
+        assert response.status_code == 202, response.content
+        rollout = wait_state(stack, rollout, {"rolled_back", "promoted", "failed"}, 120)
+        assert rollout.state == "rolled_back", rollout.state_reason
+        assert audit_actions(rollout)[-1] == ("rollout.rollback", True)
+        wait_until(lambda: stack.routed() == {baseline_id: 100}, timeout=30)
+
+        # The only failed requests are the ones the fault failed on the vLLM canary.
+        outcomes = settle(stack, traffic_start)
+        failed = [o for o in outcomes if not o.ok]
+        ids = [o.request_id for o in failed]
+        wait_until(
+            lambda: RequestSample.objects.filter(request_id__in=ids).count() == len(failed),
+            timeout=30,
+            message=repr(failed),
+        )
+        samples = RequestSample.objects.filter(request_id__in=ids)
+        assert {(s.version_id, s.error_code) for s in samples} == {(candidate.pk, "injected_fault")}
+        assert len(failed) >= 1
+        api.post(
+            f"/api/v1/fleet/agents/{agent.name}/commands/",
+            {"kind": "faults", "latency_ms_per_token": 0, "error_rate": 0.0, "reason": "reset"},
+            format="json",
+        )
+
+
+@needs_vllm
+@pytest.mark.timeout(VLLM_ROLLOUT_S + 300)
+def test_f_a_rollout_moves_the_deployment_from_our_engine_to_vllm(stack, django_db_blocker) -> None:
+    """An ordinary rollout whose candidate runs on another engine: it walks its stages
+    under traffic, judged on the same signals, and no client request fails."""
+    with django_db_blocker.unblock():
+        candidate = stack.versions["vllm"]
+        traffic_start = stack.traffic.mark()
+        rollout = deployments.rollout_create(
+            actor=None,
+            deployment=stack.deployment,
+            candidate=candidate,
+            stages=[
+                {"weight": 25, "min_duration_s": 2, "min_requests": 2},
+                {"weight": 50, "min_duration_s": 2, "min_requests": 2},
+                {"weight": 100, "min_duration_s": 2, "min_requests": 2},
+            ],
+            policy=WIDE_POLICY,
+            reason="e2e: our engine to vLLM",
+        )
+        rollout = wait_state(stack, rollout, {"promoted", "rolled_back", "failed"}, VLLM_ROLLOUT_S)
+        assert rollout.state == "promoted", rollout.state_reason
+        advancing = AnalysisRun.objects.filter(rollout=rollout, action="advance")
+        assert sorted(advancing.values_list("stage_index", flat=True)) == [0, 1, 2]
+        wait_until(lambda: stack.routed() == {candidate.pk: 100}, timeout=30)
+        weights = [w for w, _ in itertools.groupby(stack.monitor.weights_of(candidate.pk))]
+        assert weights[:3] == [25, 50, 100]
+        assert Deployment.objects.get(pk=stack.deployment.pk).stable_version_id == candidate.pk
+
+        outcomes = settle(stack, traffic_start)
+        assert [o for o in outcomes if not o.ok] == []
+        agent = Agent.objects.get(loaded_version=candidate, state="ready")
+        assert_usage_is_the_engines(candidate, engine_usage(agent, candidate))

@@ -48,7 +48,7 @@ class IdentityMiddleware:
             await self.app(scope, receive, send)
             return
         if scope["method"] != "GET":
-            await self._respond(send, 405, {"error": {"message": "GET only"}})
+            await respond_json(send, 405, {"error": {"message": "GET only"}})
             return
         query = parse_qs(bytes(scope.get("query_string", b"")).decode("latin-1"))
         nonces = query.get("nonce", [])
@@ -59,18 +59,21 @@ class IdentityMiddleware:
                 "param": "nonce",
                 "code": "invalid_nonce",
             }
-            await self._respond(send, 400, {"error": error})
+            await respond_json(send, 400, {"error": error})
             return
         if not self.admin_secret or not self.agent:
             # Started without its agent's secret: it cannot prove anything.
-            await self._respond(send, 503, {"error": {"message": "no identity configured"}})
+            await respond_json(send, 503, {"error": {"message": "no identity configured"}})
             return
         proof = identity_proof(admin_secret=self.admin_secret, agent=self.agent, nonce=nonces[0])
-        await self._respond(send, 200, {"agent": self.agent, "proof": proof})
+        await respond_json(send, 200, {"agent": self.agent, "proof": proof})
 
-    @staticmethod
-    async def _respond(send: Send, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": data})
+
+async def respond(send: Send, status: int, content_type: str, body: bytes) -> None:
+    headers = [(b"content-type", content_type.encode()), (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def respond_json(send: Send, status: int, payload: dict[str, Any]) -> None:
+    await respond(send, status, "application/json", json.dumps(payload).encode())

@@ -5,13 +5,18 @@ route nor /metrics. This launcher reads the same flags with its own parser, buil
 with its own `create_app`, and runs it under uvicorn as its `__main__` does, wrapped in:
 
 - GET /identity: the identity proof (fleet_engine_identity.IdentityMiddleware);
+- /admin/faults: the drill's injected errors and latency (fleet_engine_faults);
 - GET /health: 200. The model is loaded inside `create_app`, before the server listens,
   so answering at all means ready;
-- GET /metrics: counts of the requests passing through, in Prometheus text (below).
+- GET /metrics: counts of the requests passing through, in Prometheus text (below);
+- streamed usage: its streamed answers carry no `usage`, even when asked with
+  `stream_options.include_usage`. The launcher counts what `Llama.generate` is given and
+  yields for the request (as its non-streamed usage counts them: the prompt's tokens, and
+  every token but the end-of-generation one) and, when the request asked, adds the usage
+  chunk before `data: [DONE]` as OpenAI's API does.
 
 The server runs one request at a time (its app holds one lock around the model), so of
-the requests in flight one runs and the rest wait. Token counts come from the `usage` of
-non-streamed answers; a streamed answer carries none, so it adds no tokens.
+the requests in flight one runs and the rest wait.
 
 Standard library and the engine's own environment only: it runs in llama-cpp-python's
 virtual environment, with this folder on PYTHONPATH.
@@ -20,15 +25,91 @@ virtual environment, with this folder on PYTHONPATH.
 from __future__ import annotations
 
 import argparse
+import contextvars
+import functools
 import json
 import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from fleet_engine_identity import ASGIApp, IdentityMiddleware, Message, Receive, Scope, Send
+from fleet_engine_faults import FaultMiddleware
+from fleet_engine_identity import (
+    ASGIApp,
+    IdentityMiddleware,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    respond,
+)
 
 METRICS_PREFIX = "fleet_llamacpp"
 # The routes that run the model; the others (models list, tokenize) do not queue for it.
 MODEL_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+STREAMED_ROUTES = ("/v1/completions", "/v1/chat/completions")
+MAX_REQUEST_BYTES = 8 * 1024 * 1024  # read whole to see `stream`; the server's own limit is larger
+DONE_EVENT = b"data: [DONE]"
+
+
+@dataclass
+class StreamUsage:
+    """What `Llama.generate` was given and yielded for one request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+# The request's counter. The server calls the model in worker threads, which run in a copy
+# of the request's context: the copy holds the same counter.
+CURRENT_USAGE: contextvars.ContextVar[StreamUsage | None] = contextvars.ContextVar(
+    "fleet_stream_usage", default=None
+)
+
+
+def counting_generate(
+    generate: Callable[..., Iterator[int]], is_end: Callable[[Any, int], bool]
+) -> Callable[..., Iterator[int]]:
+    """`Llama.generate`, counting into the request's StreamUsage when there is one."""
+
+    @functools.wraps(generate)
+    def counted(self: Any, tokens: Any, *args: Any, **kwargs: Any) -> Iterator[int]:
+        usage = CURRENT_USAGE.get()
+        if usage is not None:
+            usage.prompt_tokens, usage.completion_tokens = len(tokens), 0
+        for token in generate(self, tokens, *args, **kwargs):
+            if usage is not None and not is_end(self, token):
+                usage.completion_tokens += 1
+            yield token
+
+    return counted
+
+
+def wants_stream_usage(body: bytes) -> bool:
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return False
+    if not isinstance(request, dict) or request.get("stream") is not True:
+        return False
+    options = request.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def usage_event(last_chunk: bytes, usage: StreamUsage, separator: bytes) -> bytes:
+    """The usage chunk, with the stream's id, object, created and model, ended as the
+    server ends its events."""
+    try:
+        chunk = json.loads(last_chunk.removeprefix(b"data:"))
+    except ValueError:
+        chunk = {}
+    fields = {k: chunk[k] for k in ("id", "object", "created", "model") if k in chunk}
+    counts = {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+    return b"data: " + json.dumps({**fields, "choices": [], "usage": counts}).encode() + separator
 
 
 class ServerMetrics:
@@ -48,6 +129,10 @@ class ServerMetrics:
             return
         self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
         self.generation_tokens += int(usage.get("completion_tokens") or 0)
+
+    def count_stream(self, usage: StreamUsage) -> None:
+        self.prompt_tokens += usage.prompt_tokens
+        self.generation_tokens += usage.completion_tokens
 
     def text(self) -> str:
         gauges = {
@@ -73,7 +158,7 @@ class ServerMetrics:
 
 class FleetMiddleware:
     def __init__(self, app: ASGIApp) -> None:
-        self.app = IdentityMiddleware(app)
+        self.app = FaultMiddleware(IdentityMiddleware(app))
         self.metrics = ServerMetrics()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -93,39 +178,72 @@ class FleetMiddleware:
     async def counted(self, scope: Scope, receive: Receive, send: Send) -> None:
         metrics = self.metrics
         status = 500
-        is_json = False
+        is_json = is_stream = False
         body = bytearray()
+        request = await read_request(receive)
+        if request is None:
+            error = b'{"error":{"message":"the request body is too large","code":"body_too_large"}}'
+            await respond(send, 413, "application/json", error)
+            return
+        is_usage_asked = scope["path"] in STREAMED_ROUTES and wants_stream_usage(request)
+        usage = StreamUsage()
+        last_chunk = b""
+        token = CURRENT_USAGE.set(usage)
+
+        async def replay() -> Message:
+            return {"type": "http.request", "body": request, "more_body": False}
 
         async def watch(message: Message) -> None:
-            nonlocal status, is_json
+            nonlocal status, is_json, is_stream, last_chunk
             if message["type"] == "http.response.start":
                 status = int(message["status"])
                 headers = dict(message.get("headers") or [])
-                is_json = headers.get(b"content-type", b"").startswith(b"application/json")
+                content_type = headers.get(b"content-type", b"")
+                is_json = content_type.startswith(b"application/json")
+                is_stream = content_type.startswith(b"text/event-stream")
             elif message["type"] == "http.response.body" and is_json and status == 200:
                 body.extend(message.get("body", b""))
+            elif message["type"] == "http.response.body" and is_stream and is_usage_asked:
+                chunk = message.get("body", b"")
+                if chunk.lstrip().startswith(DONE_EVENT):
+                    separator = b"\r\n\r\n" if chunk.endswith(b"\r\n\r\n") else b"\n\n"
+                    event = usage_event(last_chunk, usage, separator)
+                    message = {**message, "body": event + chunk}
+                elif chunk.lstrip().startswith(b"data:"):
+                    last_chunk = chunk.strip()
             await send(message)
 
         metrics.in_flight += 1
         try:
-            await self.app(scope, receive, watch)
+            await self.app(scope, replay, watch)
         finally:
+            CURRENT_USAGE.reset(token)
             metrics.in_flight -= 1
             if status == 200:
                 metrics.requests_ok += 1
-                metrics.count_usage(bytes(body))
+                if is_stream:
+                    metrics.count_stream(usage)
+                else:
+                    metrics.count_usage(bytes(body))
             elif status >= 500:
                 metrics.requests_failed += 1
 
 
-async def respond(send: Send, status: int, content_type: str, body: bytes) -> None:
-    headers = [(b"content-type", content_type.encode()), (b"content-length", b"%d" % len(body))]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+async def read_request(receive: Receive) -> bytes | None:
+    """The request's whole body; None past MAX_REQUEST_BYTES."""
+    body = bytearray()
+    while True:
+        message = await receive()
+        body.extend(message.get("body", b""))
+        if len(body) > MAX_REQUEST_BYTES:
+            return None
+        if not message.get("more_body"):
+            return bytes(body)
 
 
 def main(argv: list[str] | None = None) -> None:
     """As llama_cpp.server.__main__.main, with the app wrapped (no config file: flags only)."""
+    import llama_cpp
     import uvicorn
     from llama_cpp.server.app import create_app
     from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
@@ -134,6 +252,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="llama_cpp.server for the fleet agent")
     add_args_from_model(parser, Settings)
     args = parser.parse_args(argv)
+    llama_cpp.Llama.generate = counting_generate(  # type: ignore[method-assign]
+        llama_cpp.Llama.generate,
+        lambda llama, token: llama_cpp.llama_vocab_is_eog(llama._model.vocab, token),
+    )
     server_settings: Any = parse_model_from_args(ServerSettings, args)
     model_settings = [parse_model_from_args(ModelSettings, args)]
     app = create_app(server_settings=server_settings, model_settings=model_settings)
