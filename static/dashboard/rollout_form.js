@@ -11,11 +11,9 @@
   var nextNumber = 0;
 
   function isBlank(row) {
-    var fields = row.querySelectorAll("input, select");
+    var fields = row.querySelectorAll("input");
     for (var i = 0; i < fields.length; i++) {
-      if (fields[i].tagName === "SELECT" ? fields[i].selectedOptions.length : fields[i].value) {
-        return false;
-      }
+      if (fields[i].type === "checkbox" ? fields[i].checked : fields[i].value) return false;
     }
     return true;
   }

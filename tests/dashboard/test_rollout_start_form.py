@@ -133,9 +133,7 @@ def test_the_form_offers_the_models_deployments_the_default_plan_and_allowed_ten
         assert f'name="stages-{index}-min_requests" value="{stage["min_requests"]}"' in html
     spare = len(DEFAULT_STAGES)
     assert f'name="stages-{spare}-weight" value=""' in html
-    assert re.findall(r'name="stages-0-tenants"[^>]*>(.*?)</select>', html, re.S) == [
-        '<option value="acme">acme</option>'
-    ]
+    assert re.findall(r'name="stages-0-tenants" value="([^"]*)"', html) == ["acme"]
     for name, default in DEFAULT_POLICY.items():
         if name != "on_inconclusive":
             assert f'name="policy-{name}" value="" placeholder="{default}"' in html
@@ -229,7 +227,8 @@ def test_blank_deployment_and_bad_stage_fields_are_shown_next_to_them(
     )
     assert 'name="stages-2-min_requests" value="-3"' in html
     assert 'name="stages-1-min_duration_s" value="90.5"' in html
-    assert re.search(r'<option value="acme" selected>acme</option>', html)
+    assert 'name="stages-0-tenants" value="acme" checked' in html
+    assert 'name="stages-1-tenants" value="acme">' in html
     assert 'name="policy-ttft_p95_max_ms" value="1500"' in html
     assert re.search(r'<option value="hold" selected>hold</option>', html)
     assert 'value="latency" checked' in html
