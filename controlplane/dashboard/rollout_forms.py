@@ -22,7 +22,7 @@ from django.http import QueryDict
 from controlplane.core.errors import DomainError
 from controlplane.registry import selectors as registry_selectors
 from controlplane.registry.models import DEPLOYABLE_STATUSES, ModelVersion
-from controlplane.rollouts import deployments
+from controlplane.rollouts import analysis, deployments
 from controlplane.rollouts import selectors as rollout_selectors
 from controlplane.rollouts.models import ACTIVE_STATES, Rollout
 from controlplane.rollouts.serializers import RolloutCreateSerializer
@@ -73,7 +73,9 @@ class PolicyField:
 
     @property
     def choices(self) -> list[str] | None:
-        return ["fail", "hold"] if self.name == "on_inconclusive" else None
+        if self.name != "on_inconclusive":
+            return None
+        return [choice.value for choice in analysis.OnInconclusive]
 
     def body_value(self) -> Any:
         """The typed text as the JSON value the API expects: a number where the default is
@@ -125,7 +127,6 @@ class RolloutStartForm:
         )
         self.suite_names = list(registry_selectors.eval_suite_list().values_list("name", flat=True))
         self.errors: dict[str, list[str]] = {}  # field name, or "form" for the whole form
-        self.is_bound = data is not None
         if data is None:
             self.deployment = self.deployments[0].name if len(self.deployments) == 1 else ""
             self.rows = [
@@ -239,10 +240,14 @@ class RolloutStartForm:
         name = FIELD_OF_ERROR_CODE.get(error.code)
         if name == "stages":
             by_index = error.fields.get("stages")
-            if isinstance(by_index, Mapping) and by_index:
-                for index, message in by_index.items():
-                    if 0 <= int(index) < len(self.rows):
-                        self.rows[int(index)].errors.setdefault("row", []).append(str(message))
+            rows = [
+                (self.rows[int(index)], message)
+                for index, message in (by_index.items() if isinstance(by_index, Mapping) else ())
+                if 0 <= int(index) < len(self.rows)
+            ]
+            for row, message in rows:
+                row.errors.setdefault("row", []).append(str(message))
+            if rows:
                 return
         if name == "policy":
             # The policy's messages start with the field they are about.
@@ -252,11 +257,3 @@ class RolloutStartForm:
                     item.errors.append(error.message)
                     return
         self._add(name or "form", [error.message])
-
-    @property
-    def has_errors(self) -> bool:
-        return bool(
-            self.errors
-            or any(row.errors for row in self.rows)
-            or any(item.errors for item in self.policy)
-        )

@@ -244,6 +244,9 @@ def test_the_services_refusals_are_shown_next_to_their_fields(world, batch, clie
     assert _errors(response.content.decode(), "stages") == [
         "The last stage must serve every tenant (no tenant list)."
     ]
+    # A tenant that no longer exists (a stale page).
+    response = client.post(_url(world), _plan(**{"stages-0-tenants": ["acme", "zeta"]}))
+    assert _errors(response.content.decode(), "stages") == ["Unknown tenants in stages: zeta."]
     # An analysis policy field out of its range (analysis.AnalysisPolicy's check).
     response = client.post(_url(world), _plan(**{"policy-error_rate_max": "1.5"}))
     assert response.status_code == 400
