@@ -23,6 +23,11 @@ urlpatterns = [
     ),
     path("registry/", views.registry, name="registry"),
     path("registry/versions/<int:version_id>/", views.version_detail, name="version-detail"),
+    path(
+        "registry/versions/<int:version_id>/rollouts/",
+        views.version_rollout_create,
+        name="version-rollout-create",
+    ),
     path("registry/compare/", views.version_compare, name="version-compare"),
     path("fleet/", views.fleet, name="fleet"),
     path("fleet/enrolments/", views.agent_enrolment_create, name="agent-enrolment-create"),

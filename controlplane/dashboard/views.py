@@ -33,6 +33,7 @@ from controlplane.core.errors import DomainError
 from controlplane.core.redis_clients import redis_client
 from controlplane.dashboard import forms, presenters
 from controlplane.dashboard.pages import domain_error_show, render_page, require
+from controlplane.dashboard.rollout_forms import RolloutStartForm
 from controlplane.fleet import enrolment
 from controlplane.fleet import selectors as fleet_selectors
 from controlplane.fleet import services as fleet_services
@@ -256,14 +257,42 @@ def registry(request: HttpRequest) -> HttpResponse:
 def version_detail(request: HttpRequest, version_id: int) -> HttpResponse:
     require(access.can_view_registry(request.user))
     version = get_object_or_404(registry_selectors.version_list(), pk=version_id)
+    rollout_form = None
+    if access.can_steer_rollouts(request.user):
+        rollout_form = RolloutStartForm(version=version, user=request.user)
+    return version_page(request, version, rollout_form=rollout_form)
+
+
+def version_page(
+    request: HttpRequest,
+    version: Any,
+    *,
+    rollout_form: RolloutStartForm | None,
+    status: int = 200,
+) -> HttpResponse:
     context = {
         "version": version,
         "evaluations": registry_selectors.evaluation_list().filter(version=version),
         "siblings": registry_selectors.version_list()
         .filter(model=version.model)
         .exclude(pk=version.pk),
+        "rollout_form": rollout_form,
     }
-    return render(request, "dashboard/version_detail.html", context)
+    return render(request, "dashboard/version_detail.html", context, status=status)
+
+
+@login_required
+@require_POST
+def version_rollout_create(request: HttpRequest, version_id: int) -> HttpResponse:
+    """The version's "Start a rollout" form: the REST API's validation and service."""
+    require(access.can_steer_rollouts(request.user))
+    version = get_object_or_404(registry_selectors.version_list(), pk=version_id)
+    form = RolloutStartForm(version=version, user=request.user, data=request.POST)
+    rollout = form.save(actor=request.user)
+    if rollout is None:
+        return version_page(request, version, rollout_form=form, status=400)
+    messages.success(request, f"Rollout {rollout.pk} of {version} on {rollout.deployment} started.")
+    return redirect("dashboard:rollout-detail", rollout_id=rollout.pk)
 
 
 @login_required

@@ -1,3 +1,6 @@
+import json
+from typing import Any
+
 from rest_framework import serializers
 
 from controlplane.core.serializers import StrictSerializer
@@ -10,6 +13,7 @@ from controlplane.rollouts.models import (
     WebhookDelivery,
     WebhookEndpoint,
 )
+from controlplane.rollouts.stages import DEFAULT_POLICY, DEFAULT_STAGES
 
 
 class DeploymentSerializer(serializers.ModelSerializer):
@@ -77,14 +81,40 @@ class StageSerializer(StrictSerializer):
 
 
 class RolloutCreateSerializer(StrictSerializer):
+    """A new rollout; the dashboard's "Start a rollout" form validates through it too."""
+
     deployment = serializers.SlugRelatedField(slug_field="name", queryset=Deployment.objects.all())
     candidate = serializers.PrimaryKeyRelatedField(queryset=ModelVersion.objects.all())
-    stages = StageSerializer(many=True, required=False, allow_null=True, default=None)
-    policy = serializers.DictField(required=False, default=dict)
+    stages = StageSerializer(
+        many=True,
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text=f"Omitted or null: the default plan, {json.dumps(list(DEFAULT_STAGES))}.",
+    )
+    policy = serializers.DictField(
+        required=False,
+        default=dict,
+        help_text="Overrides of the analysis policy; a field left out keeps its default: "
+        f"{json.dumps(dict(DEFAULT_POLICY))}.",
+    )
     required_suites = serializers.SlugRelatedField(
         slug_field="name", queryset=EvalSuite.objects.all(), many=True, required=False, default=list
     )
     reason = serializers.CharField(required=False, allow_blank=True, default="")
+
+    def service_arguments(self) -> dict[str, Any]:
+        """The validated body as `deployments.rollout_create`'s keyword arguments."""
+        data = self.validated_data
+        stages = data["stages"]
+        return {
+            "deployment": data["deployment"],
+            "candidate": data["candidate"],
+            "stages": [dict(stage) for stage in stages] if stages is not None else None,
+            "policy": data["policy"],
+            "required_suites": data["required_suites"],
+            "reason": data["reason"],
+        }
 
 
 class TransitionSerializer(StrictSerializer):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from controlplane.core.errors import DomainError
@@ -15,6 +16,8 @@ DEFAULT_STAGES: tuple[Stage, ...] = (
     {"weight": 50, "min_duration_s": 60, "min_requests": 100, "tenants": []},
     {"weight": 100, "min_duration_s": 60, "min_requests": 100, "tenants": []},
 )
+# The analysis policy of a rollout that overrides nothing (read-only: shared by every caller).
+DEFAULT_POLICY: Mapping[str, Any] = MappingProxyType(analysis.AnalysisPolicy().to_dict())
 
 
 def stages_validate(stages: Sequence[Mapping[str, Any]] | None) -> list[Stage]:

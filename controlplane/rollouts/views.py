@@ -67,17 +67,7 @@ class RolloutViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
     def create(self, request: Request) -> Response:
         serializer = RolloutCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        data = serializer.validated_data
-        stages = data["stages"]
-        rollout = deployments.rollout_create(
-            actor=request.user,
-            deployment=data["deployment"],
-            candidate=data["candidate"],
-            stages=[dict(stage) for stage in stages] if stages is not None else None,
-            policy=data["policy"],
-            required_suites=data["required_suites"],
-            reason=data["reason"],
-        )
+        rollout = deployments.rollout_create(actor=request.user, **serializer.service_arguments())
         rollout = selectors.rollout_list().get(pk=rollout.pk)
         return Response(RolloutSerializer(rollout).data, status=status.HTTP_201_CREATED)
 

@@ -1,7 +1,11 @@
 """The OpenAPI schema generates without warnings and is served with Swagger UI."""
 
+import json
+
 import pytest
 from django.core.management import call_command
+
+from controlplane.rollouts.stages import DEFAULT_POLICY, DEFAULT_STAGES
 
 
 @pytest.mark.django_db
@@ -57,3 +61,11 @@ def test_errors_have_one_shape(client_for, users) -> None:
     )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "parse_error"
+
+
+@pytest.mark.django_db
+def test_a_rollouts_default_plan_and_policy_are_in_the_schema(client_for, users) -> None:
+    schema = client_for("viewer").get("/api/schema/", {"format": "json"}).json()
+    create = schema["components"]["schemas"]["RolloutCreate"]["properties"]
+    assert json.dumps(list(DEFAULT_STAGES)) in create["stages"]["description"]
+    assert json.dumps(dict(DEFAULT_POLICY)) in create["policy"]["description"]
