@@ -75,7 +75,11 @@ def export_folder(tmp_path: Path) -> Path:
 
 
 def vllm_version(
-    model: Any, signer: Any, tmp_path: Path, config: dict[str, Any] = VLLM_CONFIG
+    model: Any,
+    signer: Any,
+    tmp_path: Path,
+    config: dict[str, Any] = VLLM_CONFIG,
+    engine_args: dict[str, Any] = VLLM_ARGS,
 ) -> Any:
     """The GGUF written out as a folder, stored, registered on vllm, signed and verified."""
     artifact, _ = registry_services.artifact_store_folder(actor=None, path=export_folder(tmp_path))
@@ -87,9 +91,9 @@ def vllm_version(
         artifact_digest=artifact.digest,
         serving_config=config,
         engine="vllm",
-        engine_args=VLLM_ARGS,
+        engine_args=engine_args,
     )
-    signature = signer.sign(artifact.digest, config, engine="vllm", engine_args=VLLM_ARGS)
+    signature = signer.sign(artifact.digest, config, engine="vllm", engine_args=engine_args)
     return registry_services.version_verify(
         actor=None, version=version, key_id=signer.key_id, signature=signature
     )

@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="llama_cpp.server for the fleet agent")
     add_args_from_model(parser, Settings)
     args = parser.parse_args(argv)
-    llama_cpp.Llama.generate = counting_generate(  # type: ignore[method-assign]
+    llama_cpp.Llama.generate = counting_generate(
         llama_cpp.Llama.generate,
         lambda llama, token: llama_cpp.llama_vocab_is_eog(llama._model.vocab, token),
     )
