@@ -47,26 +47,18 @@ from agent.metrics import AgentMetrics
 from agent.redis_link import RedisLink, RedisUnavailable
 from agent.telemetry import TelemetryAccumulator
 from contracts import engines
-from contracts.manifest import ManifestError, folder_verify
-from contracts.signing import SignatureError, verify_signature
-from contracts.streams import (
+from contracts.agent_mac import agent_fields_sign
+from contracts.commands import (
     AGENT_COMMANDS_GROUP,
-    HEARTBEATS_MAXLEN,
-    HEARTBEATS_STREAM,
     RESULTS_MAXLEN,
     RESULTS_STREAM,
-    AgentState,
     Command,
     CommandKind,
     CommandRefused,
     CommandResult,
     CommandStatus,
-    ContractError,
-    EngineError,
     FaultsPayload,
-    Heartbeat,
     LoadPayload,
-    agent_fields_sign,
     command_record_key,
     command_signature_verify,
     commands_stream,
@@ -74,6 +66,16 @@ from contracts.streams import (
     parse_drain_payload,
     parse_faults_payload,
     parse_load_payload,
+)
+from contracts.manifest import ManifestError, folder_verify
+from contracts.signing import SignatureError, verify_signature
+from contracts.streams import (
+    HEARTBEATS_MAXLEN,
+    HEARTBEATS_STREAM,
+    AgentState,
+    ContractError,
+    EngineError,
+    Heartbeat,
 )
 from engine.config import EngineSecrets
 

@@ -24,9 +24,9 @@ from agent.engines.prometheus import Histogram, MetricsTextError, read_snapshot
 from agent.engines.sglang import SglangAdapter
 from agent.engines.vllm import PLUGINS_DIR, VLLM_METRICS, VllmAdapter
 from agent.runner import Agent, CommandFailed
+from contracts.commands import LoadPayload, parse_load_payload
 from contracts.engine_identity import is_identity_proof_valid, new_nonce
 from contracts.engines import ENGINES
-from contracts.streams import LoadPayload, parse_load_payload
 from engine.config import EngineSecrets
 from tests.contracts.test_engine_secrets_contract import LOAD
 
