@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from agent.commands import CommandFailed
 from agent.config import AgentConfig
 from agent.engines import ADAPTERS, EngineSpec, EngineStartError, adapter_for
 from agent.engines.builtin import BuiltinAdapter
@@ -23,7 +24,7 @@ from agent.engines.openai import OpenAIAdapter
 from agent.engines.prometheus import Histogram, MetricsTextError, read_snapshot
 from agent.engines.sglang import SglangAdapter
 from agent.engines.vllm import PLUGINS_DIR, VLLM_METRICS, VllmAdapter
-from agent.runner import Agent, CommandFailed
+from agent.runner import Agent
 from contracts.commands import LoadPayload, parse_load_payload
 from contracts.engine_identity import is_identity_proof_valid, new_nonce
 from contracts.engines import ENGINES

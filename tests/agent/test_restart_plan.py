@@ -1,6 +1,6 @@
 """When an agent loads a failed engine's version again: at once, then backing off."""
 
-from agent.runner import RestartPlan
+from agent.restart_plan import RestartPlan
 from contracts.commands import LoadPayload
 
 LOAD = LoadPayload(
