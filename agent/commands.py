@@ -68,7 +68,8 @@ class CommandFailed(Exception):
 
 
 class AgentCommands:
-    """What the command thread does with the agent's state (set by Agent.__init__)."""
+    """What the command thread does. The state it reads and changes is the agent's (set by
+    Agent.__init__, agent/runner.py), shared with the other threads under `_lock`."""
 
     config: AgentConfig
     stop_event: threading.Event
@@ -88,7 +89,7 @@ class AgentCommands:
     _is_group_ready: bool
     _failed_engines: list[EngineProcess]
     _restart: RestartPlan
-    # The agent's own, shared with the heartbeat thread.
+    # Agent's methods, which the heartbeat thread calls too.
     _engine_failed: Callable[[EngineError, EngineProcess], None]
     _signed: Callable[[str, dict[str, str]], dict[str, str]]
 

@@ -47,6 +47,8 @@ logger = logging.getLogger("agent")
 
 
 class Agent(AgentCommands):
+    """The agent's state and its threads; what the command thread does is AgentCommands'."""
+
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.stop_event = threading.Event()
