@@ -155,7 +155,8 @@ def heartbeat_entry(
     template: tuple[dict[str, str], dict[str, Any]], agent: Agent, seq: int, sent_at: float
 ) -> dict[str, str]:
     """The agent's heartbeat number `seq`, signed: its cumulative totals grow with it."""
-    from contracts.streams import HEARTBEATS_STREAM, agent_fields_sign
+    from contracts.agent_mac import agent_fields_sign
+    from contracts.streams import HEARTBEATS_STREAM
 
     name, stream_key = agent
     fields, figures = template

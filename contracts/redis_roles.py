@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from contracts.commands import RESULTS_STREAM, commands_stream
 from contracts.routing import REQUESTS_STREAM, ROUTING_CHANNEL, ROUTING_KEY_PREFIX
-from contracts.streams import HEARTBEATS_STREAM, RESULTS_STREAM, commands_stream
+from contracts.streams import HEARTBEATS_STREAM
 
 CONTROLPLANE_USER = "controlplane"
 INGEST_USER = "ingest"

@@ -46,8 +46,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from contracts.commands import ENGINE_SECRET_PATTERN
 from contracts.fields_mac import MAC_FIELD, FieldsMacError, fields_mac, fields_sign, fields_verify
-from contracts.streams import ENGINE_SECRET_PATTERN, MAX_BIGINT, MAX_INTEGER
+from contracts.streams import MAX_BIGINT, MAX_INTEGER
 from contracts.streams import MAX_SENT_AT as MAX_UNIX_TIME
 
 SCHEMA_VERSION = "1"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import random
@@ -19,16 +18,10 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from contracts.engine_identity import (
-    IDENTITY_PATH,
-    INVALID_NONCE_CODE,
-    identity_proof,
-    is_valid_nonce,
-)
+from contracts.engine_identity import IDENTITY_PATH
 from contracts.openai_request import (
     RequestFieldError,
     check_chat_request,
@@ -38,6 +31,7 @@ from contracts.openai_request import (
 from engine import spans
 from engine.config import EngineConfig, EngineSecrets
 from engine.embedder import EmbeddingService
+from engine.http_auth import EngineAuth
 from engine.llm_engine import EngineFailedError, LLMEngine, QueueFullError, RequestOutput
 from engine.protocol import (
     ApiError,
@@ -48,6 +42,7 @@ from engine.protocol import (
     parse_messages,
     parse_sampling,
 )
+from engine.request_ids import REQUEST_ID_HEADER, request_id_from
 from engine.sequence import SamplingParams
 
 logger = logging.getLogger("engine.server")
@@ -56,28 +51,6 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 MAX_BODY_BYTES = 8 * 2**20
-ADMIN_PREFIX = "/admin"
-# The caller's request id (the gateway's), echoed and logged; any other value is replaced by
-# one of the engine's own, so that a log line cannot be forged or swollen through it.
-REQUEST_ID_HEADER = b"x-request-id"
-REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-
-
-def request_id_from(header: str | None) -> str:
-    """The caller's request id if it is 1-128 characters of A-Z a-z 0-9 . _ : -, else a new one."""
-    if header is not None and REQUEST_ID_PATTERN.fullmatch(header):
-        return header
-    return uuid.uuid4().hex
-
-
-def unauthorized() -> ApiError:
-    return ApiError(
-        401,
-        "missing or invalid engine credentials",
-        type="authentication_error",
-        code="invalid_engine_credentials",
-        headers={"www-authenticate": "Bearer"},
-    )
 
 
 def _put(
@@ -170,18 +143,9 @@ class EngineApp:
         agent_name: str = "",
     ):
         self.config = config
-        self._secrets = {"serving": secrets.serving.encode(), "admin": secrets.admin.encode()}
-        self._admin_secret = secrets.admin
-        self.agent_name = agent_name  # "" for an engine started by hand
         self.registry = CollectorRegistry()  # the server's own series, beside the engine's
-        self.refused = Counter(
-            "engine:unauthorized_requests",
-            "Requests refused for a missing or wrong bearer secret, by the secret required.",
-            ["scope"],
-            registry=self.registry,
-        )
-        for scope in self._secrets:
-            self.refused.labels(scope=scope)
+        # agent_name: "" for an engine started by hand.
+        self.auth = EngineAuth(secrets, agent_name=agent_name, registry=self.registry)
         self.embedding_only = embedding_only
         self.engine = None if embedding_only else LLMEngine(config)
         # An embedding-only server given a folder serves that folder's encoder.
@@ -303,7 +267,7 @@ class EngineApp:
                 await self.identity(request)  # no credential: it proves, it opens nothing
                 return
             # Before anything else, unknown paths included: a refused request touches nothing.
-            self._authenticate(request)
+            self.auth.authenticate(request.path, request.header(b"authorization"))
             if handler is None:
                 known = {path for _, path in routes}
                 if request.path in known:
@@ -324,21 +288,6 @@ class EngineApp:
                 500, "internal server error", type="server_error", code="internal_error"
             )
             await request.respond_json(500, internal.body())
-
-    def _authenticate(self, request: HttpRequest) -> None:
-        """/admin/* takes the admin secret, every other path the serving secret; neither
-        secret opens the other's paths."""
-        path = request.path
-        is_admin = path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/")
-        scope = "admin" if is_admin else "serving"
-        header = request.header(b"authorization") or ""
-        scheme, _, presented = header.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(
-            presented.strip().encode("latin-1"), self._secrets[scope]
-        ):
-            return
-        self.refused.labels(scope=scope).inc()
-        raise unauthorized()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -376,18 +325,9 @@ class EngineApp:
             await request.respond_json(503, {"status": status})
 
     async def identity(self, request: HttpRequest) -> None:
-        """{"agent", "proof"}: the agent this engine serves for, and an HMAC of it and the
-        caller's nonce under the admin secret (contracts.engine_identity)."""
-        query = parse_qs(bytes(request.scope.get("query_string", b"")).decode("latin-1"))
-        nonces = query.get("nonce", [])
-        if len(nonces) != 1 or not is_valid_nonce(nonces[0]):
-            raise ApiError(
-                400, "nonce must be 32 to 128 hex characters", param="nonce",
-                code=INVALID_NONCE_CODE,
-            )  # fmt: skip
-        proof = identity_proof(admin_secret=self._admin_secret, agent=self.agent_name,
-                               nonce=nonces[0])  # fmt: skip
-        await request.respond_json(200, {"agent": self.agent_name, "proof": proof})
+        """Which agent this engine serves for, proved (engine/http_auth.py)."""
+        query_string = bytes(request.scope.get("query_string", b""))
+        await request.respond_json(200, self.auth.identity(query_string))
 
     async def models(self, request: HttpRequest) -> None:
         names = [self.config.served_model_name]

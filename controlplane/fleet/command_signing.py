@@ -3,7 +3,7 @@
 An Ed25519 key whose seed is the SHA-256 of FLEET_COMMAND_SIGNING_KEY (all of the key's
 bytes count, whatever its encoding). Agents hold
 its public key (`command_public_key_b64`, in their credentials) and refuse any command
-that does not verify for their own name (contracts.streams.command_signature_verify).
+that does not verify for their own name (contracts.commands.command_signature_verify).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from django.conf import settings
 
-from contracts.streams import Command, command_signed_message
+from contracts.commands import Command, command_signed_message
 
 
 def _private_key() -> Ed25519PrivateKey:

@@ -18,15 +18,15 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from contracts.engine_identity import engine_endpoint, is_valid_host
-from contracts.streams import (
+from contracts.commands import (
     COMMANDS_MAXLEN,
     CommandResult,
     command_refusal_reason,
     commands_stream,
     new_command,
 )
-from contracts.streams import CommandKind as WireCommandKind
+from contracts.commands import CommandKind as WireCommandKind
+from contracts.engine_identity import engine_endpoint, is_valid_host
 from controlplane.audit.services import Actor, acting_user, audit_event_record
 from controlplane.core import access
 from controlplane.core.errors import Conflict, DomainError, Forbidden, NotFound, Unavailable

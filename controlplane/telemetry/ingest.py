@@ -24,17 +24,10 @@ from django.conf import settings
 from django.db import DatabaseError
 from prometheus_client import Counter, Gauge
 
+from contracts.agent_mac import agent_fields_verify
+from contracts.commands import RESULTS_STREAM, CommandResult, parse_command_result
 from contracts.fields_mac import FieldsMacError
-from contracts.streams import (
-    HEARTBEATS_STREAM,
-    RESULTS_STREAM,
-    CommandResult,
-    ContractError,
-    Heartbeat,
-    agent_fields_verify,
-    parse_command_result,
-    parse_heartbeat,
-)
+from contracts.streams import HEARTBEATS_STREAM, ContractError, Heartbeat, parse_heartbeat
 from controlplane.audit.services import audit_event_record
 from controlplane.fleet import services
 from controlplane.fleet.refusals import MAX_REMEMBERED_AGENTS, StreamRefusals

@@ -28,13 +28,9 @@ from rest_framework.test import APIClient
 
 from agent.engines.builtin import BuiltinAdapter
 from agent.engines.prometheus import MetricsSnapshot
+from contracts.commands import RESULTS_STREAM, commands_stream, parse_command_result
 from contracts.redis_roles import CONTROLPLANE_USER, INGEST_USER
-from contracts.streams import (
-    HEARTBEATS_STREAM,
-    RESULTS_STREAM,
-    commands_stream,
-    parse_command_result,
-)
+from contracts.streams import HEARTBEATS_STREAM
 from controlplane.core.roles import Role
 from controlplane.fleet.engine_secrets import engine_secrets_payload
 from controlplane.fleet.enrolment import agent_enrolment_create

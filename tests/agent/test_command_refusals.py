@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.conf import settings
 from django.test import override_settings
 
-from contracts.streams import (
+from contracts.commands import (
     RESULTS_STREAM,
     Command,
     CommandKind,

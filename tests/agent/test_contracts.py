@@ -5,17 +5,16 @@ import json
 
 import pytest
 
-from contracts.streams import (
+from contracts.commands import (
     CommandKind,
     CommandResult,
     CommandStatus,
-    ContractError,
     new_command,
     parse_command,
     parse_command_result,
     parse_drain_payload,
-    parse_heartbeat,
 )
+from contracts.streams import ContractError, parse_heartbeat
 from tests.fleet.support import heartbeat
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.commands import CommandFailed
 from agent.config import AgentConfig
 from agent.engines import ADAPTERS, EngineSpec, EngineStartError, adapter_for
 from agent.engines.base import PLUGINS_DIR
@@ -19,9 +20,9 @@ from agent.engines.openai import OpenAIAdapter
 from agent.engines.prometheus import Histogram, MetricsTextError, read_snapshot
 from agent.engines.sglang import SglangAdapter
 from agent.engines.vllm import VLLM_METRICS, VllmAdapter
-from agent.runner import Agent, CommandFailed
+from agent.runner import Agent
+from contracts.commands import LoadPayload, parse_load_payload
 from contracts.engines import ENGINES
-from contracts.streams import LoadPayload, parse_load_payload
 from engine.config import EngineSecrets
 from tests.contracts.test_engine_secrets_contract import LOAD
 

@@ -8,8 +8,9 @@ import pytest
 
 from agent.engine_process import EngineSpec
 from agent.engines.builtin import BuiltinAdapter
+from contracts.commands import parse_load_payload
 from contracts.engines import OPTIONS, engine_flags
-from contracts.streams import ContractError, parse_load_payload
+from contracts.streams import ContractError
 from engine.__main__ import build_parser
 from engine.config import EngineSecrets
 from tests.contracts.test_engine_secrets_contract import LOAD, SECRET_A, SECRET_B

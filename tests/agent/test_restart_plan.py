@@ -1,7 +1,7 @@
 """When an agent loads a failed engine's version again: at once, then backing off."""
 
-from agent.runner import RestartPlan
-from contracts.streams import LoadPayload
+from agent.restart_plan import RestartPlan
+from contracts.commands import LoadPayload
 
 LOAD = LoadPayload(
     version_id=7,

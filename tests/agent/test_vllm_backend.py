@@ -24,13 +24,8 @@ from django.conf import settings
 from django.test import override_settings
 
 from agent.engines.vllm import VllmAdapter, vllm_cpu_python
-from contracts.streams import (
-    HEARTBEATS_STREAM,
-    RESULTS_STREAM,
-    Heartbeat,
-    parse_command_result,
-    parse_heartbeat,
-)
+from contracts.commands import RESULTS_STREAM, parse_command_result
+from contracts.streams import HEARTBEATS_STREAM, Heartbeat, parse_heartbeat
 from controlplane.fleet.endpoint_checks import CheckResult, endpoint_challenge
 from controlplane.fleet.engine_secrets import engine_secrets_payload
 from controlplane.registry import services as registry_services

@@ -5,13 +5,14 @@ import json
 
 import pytest
 
+from contracts.commands import parse_load_payload
 from contracts.routing import (
     RoutingContractError,
     VersionRoute,
     parse_routing_table,
     routing_table_build,
 )
-from contracts.streams import ContractError, parse_load_payload
+from contracts.streams import ContractError
 
 SECRET_A = "a1" * 32
 SECRET_B = "b2" * 32

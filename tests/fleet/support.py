@@ -8,16 +8,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from contracts.agent_mac import agent_fields_sign
+from contracts.commands import RESULTS_STREAM, CommandResult
 from contracts.engine_identity import identity_proof
-from contracts.streams import (
-    HEARTBEATS_STREAM,
-    RESULTS_STREAM,
-    AgentState,
-    CommandResult,
-    EnergySource,
-    Heartbeat,
-    agent_fields_sign,
-)
+from contracts.streams import HEARTBEATS_STREAM, AgentState, EnergySource, Heartbeat
 from controlplane.fleet import enrolment, services
 from controlplane.fleet.models import Agent, AgentCommand
 from controlplane.fleet.stream_keys import agent_stream_key

@@ -3,13 +3,8 @@
 import pytest
 from rest_framework.test import APIClient
 
-from contracts.streams import (
-    AgentState,
-    CommandKind,
-    commands_stream,
-    parse_command,
-    parse_load_payload,
-)
+from contracts.commands import CommandKind, commands_stream, parse_command, parse_load_payload
+from contracts.streams import AgentState
 from controlplane.audit.models import AuditEvent
 from controlplane.fleet.models import Agent, AgentCommand
 from controlplane.registry import services as registry_services

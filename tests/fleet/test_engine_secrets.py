@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 from django.test import override_settings
 
-from contracts.streams import commands_stream, parse_command, parse_load_payload
+from contracts.commands import commands_stream, parse_command, parse_load_payload
 from controlplane.audit.models import AuditEvent
 from controlplane.fleet.engine_secrets import ADMIN, SERVING, engine_secret
 from controlplane.fleet.models import AgentCommand

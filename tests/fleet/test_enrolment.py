@@ -13,9 +13,10 @@ from django.core.management import CommandError, call_command
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from contracts.commands import RESULTS_STREAM, commands_stream
 from contracts.redis_roles import GATEWAY_USER, INGEST_USER, agent_user
 from contracts.routing import REQUESTS_STREAM
-from contracts.streams import HEARTBEATS_STREAM, RESULTS_STREAM, commands_stream
+from contracts.streams import HEARTBEATS_STREAM
 from controlplane.audit.models import AuditEvent
 from controlplane.fleet.command_signing import command_public_key_b64
 from controlplane.fleet.models import Agent, AgentEnrolment

@@ -10,7 +10,7 @@ from django.test import Client
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from contracts.streams import CommandResult, CommandStatus
+from contracts.commands import CommandResult, CommandStatus
 from controlplane.fleet import services as fleet_services
 from controlplane.rollouts import transitions
 from controlplane.rollouts.analysis import SIGNALS

@@ -9,8 +9,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.test import override_settings
 from django.utils import timezone
 
+from contracts.commands import CommandKind, commands_stream, parse_command, parse_load_payload
 from contracts.routing import parse_routing_table, routing_key
-from contracts.streams import CommandKind, commands_stream, parse_command, parse_load_payload
 from controlplane.core.errors import DomainError
 from controlplane.fleet.engine_secrets import engine_secrets_payload
 from controlplane.fleet.models import Agent, AgentCommand

@@ -4,8 +4,8 @@ the routing table, its agents are drained, and no transition gives it traffic ag
 import pytest
 from django.utils import timezone
 
+from contracts.commands import CommandKind, commands_stream, parse_command
 from contracts.routing import parse_routing_table, routing_key
-from contracts.streams import CommandKind, commands_stream, parse_command
 from controlplane.audit.models import AuditEvent
 from controlplane.core.roles import Role
 from controlplane.registry.models import ModelVersion

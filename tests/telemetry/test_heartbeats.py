@@ -12,13 +12,11 @@ from django.db import connection, transaction
 from django.utils import timezone
 from prometheus_client import REGISTRY
 
+from contracts.commands import RESULTS_STREAM, CommandResult, CommandStatus
 from contracts.streams import (
     HEARTBEATS_STREAM,
     INGEST_GROUP,
-    RESULTS_STREAM,
     AgentState,
-    CommandResult,
-    CommandStatus,
     EngineError,
     EngineFailure,
 )

@@ -7,19 +7,18 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from contracts.streams import (
-    HEARTBEATS_STREAM,
+from contracts.agent_mac import agent_fields_sign
+from contracts.commands import (
     RESULTS_STREAM,
-    AgentState,
     CommandKind,
     CommandRefused,
     CommandResult,
     CommandStatus,
-    agent_fields_sign,
     command_signature_verify,
     commands_stream,
     parse_command,
 )
+from contracts.streams import HEARTBEATS_STREAM, AgentState
 from controlplane.audit.models import AuditEvent
 from controlplane.fleet import services
 from controlplane.fleet.command_signing import command_public_key_b64
