@@ -5,13 +5,18 @@ the gateway; then each way its files can differ from the signed manifest (missin
 changed on the agent's disk, changed in or gone from the store) is refused before any
 engine starts.
 
+Then an embedding version rolls out as a chat version does: a second MiniLM version is the
+candidate of a two-stage rollout, served by a second agent, judged by the same analysis on
+the tenant's requests, promoted, and the first version's agent drained.
+
 Processes: ingest, the gateway (the whole ASGI application: the agent downloads through it
-too) and one agent; the reconciler runs in the test, pass by pass.
+too) and the agents; the reconciler, the gate and the analysis run in the test, pass by pass.
 """
 
 import importlib.util
 import math
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +25,7 @@ import httpx
 import pytest
 import redis
 from django.conf import settings
+from django.utils import timezone
 from tokenizers import Tokenizer
 
 from contracts.routing import parse_routing_table, routing_key
@@ -27,8 +33,10 @@ from controlplane.fleet.models import AgentCommand
 from controlplane.registry import services as registry_services
 from controlplane.registry import store
 from controlplane.registry.models import Model
-from controlplane.rollouts import deployments
+from controlplane.rollouts import decisions, deployments, transitions
+from controlplane.rollouts.models import Deployment, Rollout
 from controlplane.rollouts.reconciler import reconcile_deployment
+from controlplane.telemetry.models import RequestSample
 from controlplane.tenants.services import api_key_create, tenant_create
 from tests.agent.test_agent_processes import (
     agent_args,
@@ -203,3 +211,108 @@ def test_a_folder_version_is_checked_file_by_file_and_serves_embeddings(
 
         # The engine that passed its check serves on.
         assert embed(gateway.url, key, TEXTS[:1])["usage"]["prompt_tokens"] > 0
+
+
+def minilm_version(model: Model, signer: Any, label: str, config: dict[str, Any]) -> Any:
+    artifact, _ = registry_services.artifact_store_folder(actor=None, path=MINILM)
+    return registry_services.version_verify(
+        actor=None,
+        version=registry_services.version_register(
+            actor=None, model=model, label=label, artifact_digest=artifact.digest,
+            serving_config=config,
+        ),
+        key_id=signer.key_id,
+        signature=signer.sign(artifact.digest, config),
+    )  # fmt: skip
+
+
+def routed_weights(client: redis.Redis, deployment: str) -> dict[int, int]:
+    raw = client.get(routing_key(deployment))
+    if raw is None:
+        return {}
+    return {v.version_id: v.weight for v in parse_routing_table(raw).versions if v.endpoints}
+
+
+def test_b_an_embedding_version_rolls_out_like_a_chat_version(
+    fleet,  # noqa: F811 - the fixture
+    gateway,
+    redis_client: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    model = Model.objects.create(name=MODEL, task="embedding")
+    stable = minilm_version(model, fleet.signer, "v1", CONFIG)
+    candidate = minilm_version(model, fleet.signer, "v2", {**CONFIG, "max_num_seqs": 4})
+    deployment = deployments.deployment_create(actor=None, name="minilm", stable_version=stable)
+    tenant = tenant_create(actor=None, slug="acme", name="Acme", allowed_models=[model])
+    key = api_key_create(actor=None, tenant=tenant, name="test").raw_key
+    logs_of = [tmp_path / "ingest.log", tmp_path / "agent-1.log", tmp_path / "agent-2.log"]
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        """A tenant embedding texts the whole time; every answer not 200 is kept."""
+        while not stop.is_set():
+            response = post_embeddings(gateway.url, key, TEXTS[:2])
+            if response.status_code != 200:
+                failures.append(f"{response.status_code} {response.text[:200]}")
+
+    with (
+        running(ingest_args(), logs_of[0]),
+        running(agent_args("agent-1", free_port_pair(), settings.REDIS_URL, gateway.url, fleet),
+                logs_of[1]),
+        running(agent_args("agent-2", free_port_pair(), settings.REDIS_URL, gateway.url, fleet),
+                logs_of[2]),
+    ):  # fmt: skip
+
+        def routed(expected: dict[int, int]) -> bool:
+            reconcile_deployment(deployment_id=deployment.pk)
+            return routed_weights(redis_client, "minilm") == expected
+
+        wait_until(
+            lambda: routed({stable.pk: 100}), timeout=180, interval=0.5,
+            message=lambda: logs(*logs_of, gateway.log),
+        )  # fmt: skip
+        wait_until(
+            lambda: post_embeddings(gateway.url, key, TEXTS).status_code == 200,
+            timeout=30,
+            message=lambda: logs(gateway.log),
+        )
+        sender = threading.Thread(target=traffic, daemon=True)
+        sender.start()
+        try:
+            rollout = deployments.rollout_create(
+                actor=None,
+                deployment=deployment,
+                candidate=candidate,
+                stages=[
+                    {"weight": 50, "min_duration_s": 1, "min_requests": 2},
+                    {"weight": 100, "min_duration_s": 1, "min_requests": 2},
+                ],
+                policy={"min_samples": 2, "window_s": 30.0, "latency_tolerance": 50.0,
+                        "energy_tolerance": 1000.0, "error_rate_max": 0.2},
+                reason="an embedding candidate",
+            )  # fmt: skip
+            transitions.rollout_gate_check(rollout_id=rollout.pk)
+
+            def promoted() -> bool:
+                """One pass of what the beat and the workers do."""
+                reconcile_deployment(deployment_id=deployment.pk)
+                decisions.rollout_analyze(rollout_id=rollout.pk, window_end=timezone.now())
+                return Rollout.objects.get(pk=rollout.pk).state in {"promoted", "rolled_back"}
+
+            wait_until(
+                promoted, timeout=240, interval=1.0,
+                message=lambda: logs(*logs_of, gateway.log),
+            )  # fmt: skip
+            rollout = Rollout.objects.get(pk=rollout.pk)
+            assert rollout.state == "promoted", rollout.state_reason
+            assert Deployment.objects.get(pk=deployment.pk).stable_version_id == candidate.pk
+            wait_until(lambda: routed({candidate.pk: 100}), timeout=60, interval=0.5)
+        finally:
+            stop.set()
+            sender.join(timeout=60)
+        # The candidate served the tenant's embeddings, judged on them, and nothing failed.
+        assert (
+            RequestSample.objects.filter(version=candidate, endpoint_kind="embeddings").count() >= 2
+        )
+        assert failures == []
