@@ -128,7 +128,9 @@ def gguf_shape(path: Path) -> ModelShape:
         value = _gguf_value(reader.fields, f"{arch}.{name}")
         if isinstance(value, list):  # per-layer values (some architectures): the largest
             value = max(value, default=None)
-        return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+        return (
+            int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+        )
 
     layers, heads = number("block_count"), number("attention.head_count")
     hidden = number("embedding_length")
@@ -185,8 +187,10 @@ def _tensor_counts(header: Mapping[str, Any], name: str) -> tuple[int, int]:
             isinstance(size, int) and size >= 0 for size in shape
         ):
             raise CapacityError(f"{name}: tensor {key!r} has no valid shape")
-        if isinstance(offsets, list) and len(offsets) == 2 and all(
-            isinstance(offset, int) for offset in offsets
+        if (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(offset, int) for offset in offsets)
         ):
             tensor_bytes += max(0, offsets[1] - offsets[0])
         if info.get("dtype") in FLOAT_SAFETENSORS_DTYPES:  # integer tensors are buffers
@@ -271,9 +275,7 @@ def footprint_compute(
         weight_bytes = shape.parameters * WEIGHT_BYTES[dtype]
         kv_element = 4 if dtype == "float32" else 2
     per_token = (
-        2 * shape.layers * shape.kv_heads * shape.head_dim * kv_element
-        if shape.has_kv_cache
-        else 0
+        2 * shape.layers * shape.kv_heads * shape.head_dim * kv_element if shape.has_kv_cache else 0
     )
     if per_token:
         kv_tokens, kv_basis = _kv_tokens(serving_config, engine, engine_args, per_token)
