@@ -118,7 +118,7 @@ def gguf_shape(path: Path) -> ModelShape:
 
     try:
         reader = GGUFReader(path)
-    except (OSError, ValueError, struct.error) as exc:
+    except (OSError, ValueError, struct.error, IndexError, KeyError, TypeError) as exc:
         raise CapacityError(f"not a readable GGUF file: {exc}") from exc
     arch = _gguf_value(reader.fields, "general.architecture")
     if not isinstance(arch, str):
@@ -160,14 +160,20 @@ def safetensors_header(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as file:
             head = file.read(8)
-            if len(head) != 8:
-                raise CapacityError(f"{path.name}: shorter than a safetensors header")
-            (length,) = struct.unpack("<Q", head)
-            if length > SAFETENSORS_MAX_HEADER:
-                raise CapacityError(f"{path.name}: header of {length} bytes is too large")
-            header = json.loads(file.read(length))
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            raw = (
+                file.read(length)
+                if length is not None and length <= SAFETENSORS_MAX_HEADER
+                else b""
+            )
     except OSError as exc:
         raise CapacityError(f"{path.name}: {exc}") from exc
+    if length is None:
+        raise CapacityError(f"{path.name}: shorter than a safetensors header")
+    if length > SAFETENSORS_MAX_HEADER:
+        raise CapacityError(f"{path.name}: header of {length} bytes is too large")
+    try:
+        header = json.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise CapacityError(f"{path.name}: the header is not JSON") from exc
     if not isinstance(header, dict):
