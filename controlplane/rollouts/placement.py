@@ -88,7 +88,7 @@ class Placement:
             return None, None
         footprint = self._footprints.get(version_id)
         needed = footprint_total(footprint)
-        if needed is None:
+        if needed is None or footprint is None:
             return spare[0], None
         fitting = [agent for agent in spare if self._room(agent) >= needed]
         if fitting:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -259,7 +260,7 @@ def _needed_versions() -> set[int]:
 
 
 def _placement(
-    alive: list[Agent], in_flight_commands: list[tuple[int, str, int | None]], needed: set[int]
+    alive: list[Agent], in_flight_commands: Sequence[tuple[int, str, int | None]], needed: set[int]
 ) -> Placement:
     """The fleet's memory: each live agent's loaded version and the loads sent to it."""
     engines: dict[int, set[int]] = {}
