@@ -279,6 +279,25 @@ def version_register(
     return version
 
 
+def version_footprints_fill() -> int:
+    """Reckon the footprint of every version registered before footprints were (null, no
+    reason recorded); how many it reckoned. Footprints are derived figures, not audited."""
+    count = 0
+    pending = ModelVersion.objects.filter(
+        footprint__isnull=True, footprint_error="", artifact__isnull=False
+    ).select_related("artifact")
+    for version in pending:
+        version.footprint, version.footprint_error = version_footprint(
+            artifact=version.artifact,
+            serving_config=version.serving_config,
+            engine=version.engine,
+            engine_args=version.engine_args,
+        )
+        version.save(update_fields=["footprint", "footprint_error", "updated_at"])
+        count += 1
+    return count
+
+
 def _locked(version: ModelVersion, expected: Collection[str]) -> ModelVersion:
     """The version under a row lock, or Conflict unless its status is one of `expected`."""
     locked = ModelVersion.objects.select_for_update().select_related("model").get(pk=version.pk)
