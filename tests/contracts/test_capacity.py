@@ -9,7 +9,8 @@ import pytest
 
 from agent.capacity import load_fit_check
 from contracts import capacity
-from contracts.streams import CommandRefused, ContractError, parse_load_payload
+from contracts.commands import CommandRefused, parse_load_payload
+from contracts.streams import ContractError
 from tests.agent.test_agent_processes import MODEL_FILE
 from tests.agent.test_folder_versions import MINILM
 

@@ -11,6 +11,7 @@ pytestmark = pytest.mark.django_db
 
 URL = "/api/v1/fleet/agents/register/"
 GIB = 2**30
+INVENTORY: dict[str, object] = {"kind": "gpu", "accelerator": "NVIDIA H100"}
 MEMORY = {
     "memory_total_bytes": 80 * GIB,
     "memory_available_bytes": 79 * GIB,
@@ -22,7 +23,7 @@ MEMORY = {
 def test_the_memory_an_agent_offers_is_registered(redis_client) -> None:
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {enrol('gpu-7')['api_token']}")
-    inventory = {**REGISTRATION["inventory"], **MEMORY}
+    inventory = {**INVENTORY, **MEMORY}
     response = client.post(URL, {**REGISTRATION, "inventory": inventory}, format="json")
     assert response.status_code == 201, response.content
     assert response.json()["inventory"] == inventory
@@ -45,7 +46,7 @@ def test_the_memory_an_agent_offers_is_registered(redis_client) -> None:
 )
 def test_bad_memory_figures_are_refused_naming_each(client_for, changes, fields) -> None:
     before = audit_count()
-    inventory = {**REGISTRATION["inventory"], **MEMORY, **changes}
+    inventory = {**INVENTORY, **MEMORY, **changes}
     response = client_for("agent").post(
         URL, {**REGISTRATION, "inventory": inventory}, format="json"
     )
@@ -55,7 +56,7 @@ def test_bad_memory_figures_are_refused_naming_each(client_for, changes, fields)
 
 
 def test_the_memory_figures_come_together(client_for) -> None:
-    inventory = {**REGISTRATION["inventory"], "memory_offered_bytes": GIB}
+    inventory = {**INVENTORY, "memory_offered_bytes": GIB}
     response = client_for("agent").post(
         URL, {**REGISTRATION, "inventory": inventory}, format="json"
     )

@@ -7,7 +7,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.utils import timezone
 
-from contracts.streams import commands_stream, parse_command, parse_load_payload
+from contracts.commands import commands_stream, parse_command, parse_load_payload
 from controlplane.fleet.models import Agent, AgentCommand
 from controlplane.registry.models import ModelVersion, SigningKey
 from controlplane.rollouts import reconciler
