@@ -81,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="serve /healthz, /readyz and /metrics on this port (default: not served)",
     )
+    parser.add_argument(
+        "--memory-limit-bytes",
+        type=int,
+        # argparse applies `type` to a string default: a bad variable stops the agent
+        default=os.environ.get("AGENT_MEMORY_LIMIT_BYTES") or None,
+        help="offer at most this much of the device's memory to engines (default: "
+        "AGENT_MEMORY_LIMIT_BYTES, else all of it); the rest stays reserved",
+    )
     parser.add_argument("--http-bind", help="address of that endpoint (default: --bind-host)")
     parser.add_argument("--rapl-root", default="/sys/class/powercap")
     parser.add_argument("--watts-per-core", type=float, default=10.0)
@@ -142,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             command_public_key=credentials.command_public_key,
             http_port=options.http_port,
             http_bind_host=options.http_bind or options.bind_host,
+            memory_limit_bytes=options.memory_limit_bytes,
         )
     except (ValueError, OSError, CredentialsError) as exc:
         logging.getLogger("agent").error("agent: %s", exc)

@@ -27,6 +27,7 @@ from typing import Any
 import redis
 
 from agent.artifacts import artifact_fetch
+from agent.capacity import load_fit_check
 from agent.config import AgentConfig
 from agent.control_plane import ArtifactError, ControlPlaneClient
 from agent.engine_process import EngineProcess, EngineSpec, EngineStartError
@@ -86,6 +87,7 @@ class AgentCommands:
     link: RedisLink
     control_plane: ControlPlaneClient
     commands_stream: str
+    inventory: dict[str, Any]  # the memory it offers (agent/inventory.py)
     _is_group_ready: bool
     _failed_engines: list[EngineProcess]
     _restart: RestartPlan
@@ -200,7 +202,9 @@ class AgentCommands:
             return
         if command.kind is CommandKind.LOAD:
             try:
-                self._check_pinned(parse_load_payload(command.payload))
+                load = parse_load_payload(command.payload)
+                self._check_pinned(load)
+                load_fit_check(load, self.inventory)
             except CommandRefused as exc:
                 self._refuse(entry_id, command, exc)
                 return

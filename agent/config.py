@@ -47,6 +47,8 @@ class AgentConfig:
     http_timeout_s: float = 10.0
     http_port: int | None = None  # /healthz, /readyz, /metrics; None: not served
     http_bind_host: str = "127.0.0.1"
+    # The most memory its engines may use (bytes), below the device's: None offers it all.
+    memory_limit_bytes: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -94,6 +96,10 @@ class AgentConfig:
             raise ValueError(f"--http-port must be within 1..65535, got {self.http_port}")
         if self.http_port in (self.port, self.port + 1):
             raise ValueError(f"--http-port {self.http_port} is one of the engine ports")
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes < 1:
+            raise ValueError(
+                f"--memory-limit-bytes must be positive, got {self.memory_limit_bytes}"
+            )
         if self.engine_ready_timeout_s <= 0 or self.drain_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
 

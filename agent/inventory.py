@@ -1,4 +1,10 @@
-"""What accelerator this agent drives: the GPU via NVML where present, else the CPU."""
+"""What accelerator this agent drives: the GPU via NVML where present, else the CPU; and
+the memory it offers its engines (the control plane places versions by it: docs/capacity.md).
+
+memory_total_bytes and memory_available_bytes are the device's (NVML's total and free, or
+/proc/meminfo's MemTotal and MemAvailable) when the agent starts; memory_offered_bytes is
+the total, capped by --memory-limit-bytes.
+"""
 
 from __future__ import annotations
 
@@ -19,14 +25,23 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _memory_bytes() -> int | None:
+def _meminfo() -> dict[str, int]:
+    """/proc/meminfo's MemTotal and MemAvailable in bytes (those it has)."""
+    found = {}
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
+            name, _, rest = line.partition(":")
+            if name in ("MemTotal", "MemAvailable"):
+                found[name] = int(rest.split()[0]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
         pass
-    return None
+    return found
+
+
+def _cpu_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _text(value: Any) -> str:
@@ -49,6 +64,8 @@ def gpu_inventory(gpu_index: int) -> dict[str, Any] | None:
             "gpu_index": gpu_index,
             "gpu_uuid": _text(pynvml.nvmlDeviceGetUUID(handle)),
             "memory_bytes": int(memory.total),
+            "memory_total_bytes": int(memory.total),
+            "memory_available_bytes": int(memory.free),
             "driver": _text(pynvml.nvmlSystemGetDriverVersion()),
             "gpu_count": int(pynvml.nvmlDeviceGetCount()),
         }
@@ -60,18 +77,25 @@ def gpu_inventory(gpu_index: int) -> dict[str, Any] | None:
 
 
 def cpu_inventory() -> dict[str, Any]:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    memory = _meminfo()
+    total = memory.get("MemTotal", 0)
     return {
         "kind": "cpu",
         "accelerator": _cpu_model(),
-        "cpu_cores": cores,
-        "memory_bytes": _memory_bytes(),
+        "memory_bytes": total or None,
+        "memory_total_bytes": total,
+        "memory_available_bytes": memory.get("MemAvailable", total),
         "driver": None,
     }
 
 
-def accelerator_inventory(gpu_index: int) -> dict[str, Any]:
+def accelerator_inventory(gpu_index: int, memory_limit_bytes: int | None = None) -> dict[str, Any]:
     inventory = gpu_inventory(gpu_index) or cpu_inventory()
     inventory["cpu_model"] = _cpu_model()
+    inventory["cpu_cores"] = _cpu_cores()
     inventory["platform"] = platform.platform()
+    total = inventory["memory_total_bytes"]
+    inventory["memory_offered_bytes"] = (
+        total if memory_limit_bytes is None else min(total, memory_limit_bytes)
+    )
     return inventory

@@ -62,7 +62,7 @@ class Agent(AgentCommands):
         self.retiring: list[EngineProcess] = []  # old engines still finishing requests
         self.faults = FaultsPayload(latency_ms_per_token=0.0, error_rate=0.0)
         self.host = socket.gethostname()
-        self.inventory = accelerator_inventory(config.gpu_index)
+        self.inventory = accelerator_inventory(config.gpu_index, config.memory_limit_bytes)
         self.telemetry = TelemetryAccumulator()
         self.metrics = AgentMetrics(current_state=lambda: self.state)
         self._threads: list[threading.Thread] = []

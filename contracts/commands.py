@@ -180,6 +180,9 @@ class LoadPayload:
     admin_secret: str = field(default="", repr=False)
     engine: str = engines.BUILTIN
     engine_args: dict[str, Any] = field(default_factory=dict)
+    # The memory the version needs (contracts/capacity.py); 0 when unknown. An agent that
+    # offers less refuses the load (insufficient_memory).
+    footprint_bytes: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -275,6 +278,7 @@ COMMAND_REFUSAL_REASONS = frozenset(
         "no_command_key",  # this agent holds no command key: it trusts no command
         "expired",
         "untrusted_signing_key",  # a load signed by a release key this agent has not pinned
+        "insufficient_memory",  # a load whose footprint is more than the agent offers
     }
 )
 
@@ -360,6 +364,12 @@ def parse_load_payload(payload: Mapping[str, Any]) -> LoadPayload:
             raise ContractError(f"payload.{name}: must be 64 lowercase hex characters")
     if secrets["serving_secret"] == secrets["admin_secret"]:
         raise ContractError("payload.admin_secret: must differ from serving_secret")
+    # Absent from commands sent before versions had footprints: unknown.
+    footprint_bytes = payload.get("footprint_bytes", 0)
+    if isinstance(footprint_bytes, bool) or not isinstance(footprint_bytes, int):
+        raise ContractError("payload.footprint_bytes: must be an integer")
+    if footprint_bytes < 0:
+        raise ContractError("payload.footprint_bytes: must be >= 0")
     return LoadPayload(
         version_id=version_id,
         model=_payload_value(payload, "model", str),
@@ -374,6 +384,7 @@ def parse_load_payload(payload: Mapping[str, Any]) -> LoadPayload:
         served_model_name=_payload_value(payload, "served_model_name", str),
         engine=engine,
         engine_args=engine_args,
+        footprint_bytes=footprint_bytes,
         **secrets,
     )
 

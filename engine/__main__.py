@@ -18,6 +18,7 @@ from types import FrameType
 import torch
 import uvicorn
 
+from contracts.capacity import BUILTIN_KV_CACHE_MB
 from contracts.logs import logging_configure
 from contracts.tracing import tracing_configure
 from engine.config import (
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int, default=0, help="0: min(4096, model's)")
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--num-blocks", type=int, default=0)
-    serve.add_argument("--kv-cache-memory-mb", type=int, default=1024)
+    serve.add_argument("--kv-cache-memory-mb", type=int, default=BUILTIN_KV_CACHE_MB)
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--max-num-batched-tokens", type=int, default=512)
     serve.add_argument("--max-queue", type=int, default=256)

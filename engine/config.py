@@ -7,6 +7,8 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from contracts.capacity import BUILTIN_KV_CACHE_MB
+
 DTYPES = ("float32", "bfloat16", "int8")
 
 # The environment variables an engine reads its two secrets from (never argv: other users
@@ -61,7 +63,7 @@ class EngineConfig:
     max_model_len: int = 0  # 0: min(4096, the model's context length)
     block_size: int = 16
     num_blocks: int = 0  # 0: derive from kv_cache_memory_mb
-    kv_cache_memory_mb: int = 1024
+    kv_cache_memory_mb: int = BUILTIN_KV_CACHE_MB  # the capacity model counts this pool
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_queue: int = 256

@@ -14,7 +14,9 @@ from typing import Any
 from django import forms
 from django.db.models import QuerySet
 
+from contracts.capacity import footprint_total
 from controlplane.core import access
+from controlplane.fleet.inventory import memory_offered
 from controlplane.rollouts.analysis import AnalysisPolicy
 from controlplane.rollouts.models import ACTIVE_STATES, AnalysisRun, Rollout, RolloutState, Stage
 
@@ -161,6 +163,19 @@ def evaluations_by_version(evaluations: QuerySet) -> dict[int, list[Any]]:
     for evaluation in evaluations:
         grouped[evaluation.version_id].append(evaluation)
     return dict(grouped)
+
+
+def version_fits(version: Any, agents: Iterable[Any]) -> list[dict[str, Any]]:
+    """Each agent with the memory it offers and whether the version's footprint fits it
+    (an empty agent: the reconciler also counts the engines already there)."""
+    needed = footprint_total(version.footprint)
+    rows = []
+    for agent in agents:
+        offered = memory_offered(agent.inventory)
+        rows.append(
+            {"agent": agent, "offered": offered, "is_fit": needed is not None and needed <= offered}
+        )
+    return rows
 
 
 def signature_status(version: Any) -> str:

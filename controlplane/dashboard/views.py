@@ -276,6 +276,7 @@ def version_page(
         "siblings": registry_selectors.version_list()
         .filter(model=version.model)
         .exclude(pk=version.pk),
+        "fits": presenters.version_fits(version, fleet_selectors.agent_list()),
         "rollout_form": rollout_form,
     }
     return render(request, "dashboard/version_detail.html", context, status=status)

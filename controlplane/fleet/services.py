@@ -18,6 +18,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from contracts.capacity import footprint_total
 from contracts.commands import (
     COMMANDS_MAXLEN,
     CommandResult,
@@ -34,6 +35,7 @@ from controlplane.core.events import BROADCAST_GROUP, FLEET_LIVE_GROUP, publish_
 from controlplane.core.redis_clients import redis_client as make_redis_client
 from controlplane.fleet.command_signing import command_sign
 from controlplane.fleet.engine_secrets import engine_secrets_payload
+from controlplane.fleet.inventory import inventory_validate
 from controlplane.fleet.models import (
     FINAL_COMMAND_STATUSES,
     Agent,
@@ -112,6 +114,7 @@ def agent_register(
     if not access.can_register_agent(actor):
         raise Forbidden("Only an enrolled agent (or an admin) registers agents.")
     endpoints = agent_endpoints(advertise_host=advertise_host, ports=ports)
+    inventory_validate(inventory)
     if endpoint and endpoint not in endpoints:
         raise DomainError(
             "unregistered_endpoint",
@@ -205,6 +208,8 @@ def _load_payload(version: ModelVersion, *, served_model_name: str) -> dict[str,
         "key_id": key.key_id,
         "public_key": key.public_key,
         "served_model_name": served_model_name or version.model.name,
+        # The agent refuses a load it has not the memory for (0: unknown, not checked).
+        "footprint_bytes": footprint_total(version.footprint) or 0,
     }
 
 

@@ -127,6 +127,10 @@ class ModelVersion(models.Model):
     # Which engine serves it, and with what arguments (contracts/engines.py); signed.
     engine = models.CharField(max_length=20, choices=Engine.choices, default=Engine.BUILTIN)
     engine_args = models.JSONField(default=dict, blank=True)
+    # The memory it needs (contracts.capacity.Footprint.to_dict()), reckoned at registration
+    # from the artifact's headers; null, with the reason, when they do not say.
+    footprint = models.JSONField(null=True, blank=True)
+    footprint_error = models.CharField(max_length=500, blank=True)
     status = models.CharField(
         max_length=20, choices=VersionStatus.choices, default=VersionStatus.REGISTERED
     )

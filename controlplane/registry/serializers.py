@@ -87,6 +87,20 @@ class ServingConfigSerializer(StrictSerializer):
         return super().to_internal_value(data)
 
 
+class FootprintSerializer(serializers.Serializer):
+    """The memory a version needs (contracts/capacity.py, docs/capacity.md)."""
+
+    weight_bytes = serializers.IntegerField()
+    kv_bytes = serializers.IntegerField()
+    headroom_bytes = serializers.IntegerField()
+    total_bytes = serializers.IntegerField()
+    parameters = serializers.IntegerField()
+    bytes_per_parameter = serializers.FloatField()
+    kv_bytes_per_token = serializers.IntegerField()
+    kv_tokens = serializers.IntegerField()
+    kv_basis = serializers.CharField()
+
+
 class ModelVersionSerializer(serializers.ModelSerializer):
     model = serializers.PrimaryKeyRelatedField(read_only=True)
     model_name = serializers.CharField(source="model.name", read_only=True)
@@ -101,6 +115,7 @@ class ModelVersionSerializer(serializers.ModelSerializer):
     )
     serving_config = serializers.SerializerMethodField()
     engine_args = serializers.SerializerMethodField()
+    footprint = serializers.SerializerMethodField()
     signing_key = serializers.SlugRelatedField(slug_field="key_id", read_only=True)
     created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
 
@@ -119,6 +134,8 @@ class ModelVersionSerializer(serializers.ModelSerializer):
             "serving_config",
             "engine",
             "engine_args",
+            "footprint",
+            "footprint_error",
             "status",
             "source",
             "base_version",
@@ -142,6 +159,11 @@ class ModelVersionSerializer(serializers.ModelSerializer):
     @extend_schema_field(serializers.DictField(help_text=_engine_args_help()))
     def get_engine_args(self, version: ModelVersion) -> dict[str, Any]:
         return version.engine_args
+
+    @extend_schema_field(FootprintSerializer(allow_null=True))
+    def get_footprint(self, version: ModelVersion) -> dict[str, Any] | None:
+        """The memory it needs, or null (footprint_error says why)."""
+        return version.footprint
 
 
 class SigningKeySerializer(serializers.ModelSerializer):

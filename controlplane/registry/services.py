@@ -13,6 +13,7 @@ from contracts.signing import SignatureError, load_public_key, verify_signature
 from controlplane.audit.services import Actor, acting_user, audit_event_record
 from controlplane.core.errors import Conflict, DomainError
 from controlplane.registry import store
+from controlplane.registry.footprint import version_footprint
 from controlplane.registry.models import (
     DEPLOYABLE_STATUSES,
     Artifact,
@@ -250,6 +251,9 @@ def version_register(
             "The base version must belong to the same model.",
             fields={"base_version": [str(base_version.pk)]},
         )
+    footprint, footprint_error = version_footprint(
+        artifact=artifact, serving_config=config, engine=engine, engine_args=arguments
+    )
     version = ModelVersion.objects.create(
         model=model,
         label=label,
@@ -257,6 +261,8 @@ def version_register(
         serving_config=config,
         engine=engine,
         engine_args=arguments,
+        footprint=footprint,
+        footprint_error=footprint_error,
         source=source,
         base_version=base_version,
         notes=notes,
@@ -271,6 +277,25 @@ def version_register(
         after=version.snapshot(),
     )
     return version
+
+
+def version_footprints_fill() -> int:
+    """Reckon the footprint of every version registered before footprints were (null, no
+    reason recorded); how many it reckoned. Footprints are derived figures, not audited."""
+    count = 0
+    pending = ModelVersion.objects.filter(
+        footprint__isnull=True, footprint_error="", artifact__isnull=False
+    ).select_related("artifact")
+    for version in pending:
+        version.footprint, version.footprint_error = version_footprint(
+            artifact=version.artifact,
+            serving_config=version.serving_config,
+            engine=version.engine,
+            engine_args=version.engine_args,
+        )
+        version.save(update_fields=["footprint", "footprint_error", "updated_at"])
+        count += 1
+    return count
 
 
 def _locked(version: ModelVersion, expected: Collection[str]) -> ModelVersion:

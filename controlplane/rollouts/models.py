@@ -62,6 +62,9 @@ class Deployment(models.Model):
     routing_revision = models.PositiveBigIntegerField(default=0)
     # The revision the reconciler last published to Redis.
     applied_revision = models.PositiveBigIntegerField(default=0)
+    # Versions it needs that no agent has the memory for, each with the figures
+    # (rollouts.placement.Unplaced.to_dict()); [] when every one is placed or loading.
+    unplaced_versions = models.JSONField(default=list, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

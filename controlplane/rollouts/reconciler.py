@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -42,6 +43,7 @@ from controlplane.rollouts.models import (
     Rollout,
     RolloutState,
 )
+from controlplane.rollouts.placement import Placement, Unplaced
 from controlplane.rollouts.routing import routing_table_publish
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,7 @@ class ReconcileReport:
     drains: list[str] = field(default_factory=list)
     rolled_back: bool = False
     skipped: str = ""
+    unplaced: list[str] = field(default_factory=list)  # why a version has no agent
 
 
 def _is_serving(agent: Agent, version_id: int | None, fresh_after: Any) -> bool:
@@ -256,6 +259,43 @@ def _needed_versions() -> set[int]:
     return needed - set(revoked.values_list("pk", flat=True))
 
 
+def _placement(
+    alive: list[Agent], in_flight_commands: Sequence[tuple[int, str, int | None]], needed: set[int]
+) -> Placement:
+    """The fleet's memory: each live agent's loaded version and the loads sent to it."""
+    engines: dict[int, set[int]] = {}
+    for agent in alive:
+        if agent.loaded_version_id is not None:
+            engines.setdefault(agent.pk, set()).add(agent.loaded_version_id)
+    for agent_id, kind, version_id in in_flight_commands:
+        if kind == CommandKind.LOAD and version_id is not None:
+            engines.setdefault(agent_id, set()).add(version_id)
+    version_ids = {version_id for ids in engines.values() for version_id in ids}
+    version_ids |= needed
+    footprints = dict(
+        ModelVersion.objects.filter(pk__in=version_ids).values_list("pk", "footprint")
+    )
+    return Placement(agents=alive, footprints=footprints, engines=engines)
+
+
+def _unplaced_record(deployment: Deployment, unplaced: list[Unplaced]) -> None:
+    """Keep the deployment's reasons current (the API and dashboard show them); written
+    and logged only when they change, so a version that waits for room is said once."""
+    recorded = [why.to_dict() for why in unplaced]
+    if recorded == deployment.unplaced_versions:
+        return
+    Deployment.objects.filter(pk=deployment.pk).update(unplaced_versions=recorded)
+    deployment.unplaced_versions = recorded
+    for why in unplaced:
+        logger.warning(
+            "version not placed: %s",
+            why.message,
+            extra={"deployment": deployment.name, "version_id": why.version_id},
+        )
+    if not unplaced:
+        logger.info("every version placed", extra={"deployment": deployment.name})
+
+
 def _converge_agents(
     deployment: Deployment,
     desired: DesiredRouting,
@@ -305,6 +345,8 @@ def _converge_agents(
     def busy(agent: Agent) -> bool:
         return agent.pk in in_flight or agent.state in {AgentState.LOADING, AgentState.WARMING}
 
+    placement = _placement(alive, in_flight_commands, needed)
+    unplaced: list[Unplaced] = []
     for version_id in desired.get("preload_version_ids") or []:
         if version_id not in needed:  # revoked
             continue
@@ -320,9 +362,11 @@ def _converge_agents(
             and (a.state == AgentState.IDLE or (a.loaded_version_id not in needed))
             and a.state != AgentState.DRAINING
         ]
-        if not spare:
+        agent, why = placement.choose(version_id, spare)
+        if why is not None:
+            unplaced.append(why)
+        if agent is None:
             continue
-        agent = spare[0]
         try:
             fleet_services.agent_command_send(
                 actor=None,
@@ -340,6 +384,8 @@ def _converge_agents(
             agent.state = AgentState.LOADING
         except DomainError as exc:
             logger.warning("load not sent", extra={"agent": agent.name, "error": exc.message})
+    report.unplaced = [why.message for why in unplaced]
+    _unplaced_record(deployment, unplaced)
 
     grace = settings.ROLLOUTS_DRAIN_GRACE_S
     for agent in alive:

@@ -16,7 +16,19 @@ from controlplane.rollouts.models import (
 from controlplane.rollouts.stages import DEFAULT_POLICY, DEFAULT_STAGES
 
 
+class UnplacedVersionSerializer(serializers.Serializer):
+    """A version the deployment needs that no spare agent has the memory for."""
+
+    version_id = serializers.IntegerField()
+    needed_bytes = serializers.IntegerField()
+    largest_offer_bytes = serializers.IntegerField()
+    largest_agent = serializers.CharField()
+    message = serializers.CharField()
+
+
 class DeploymentSerializer(serializers.ModelSerializer):
+    unplaced_versions = UnplacedVersionSerializer(many=True, read_only=True)
+
     class Meta:
         model = Deployment
         fields = [
@@ -26,6 +38,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
             "desired_routing",
             "routing_revision",
             "applied_revision",
+            "unplaced_versions",
             "created_at",
             "updated_at",
         ]

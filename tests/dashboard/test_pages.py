@@ -362,3 +362,51 @@ def test_version_pages_show_the_engine_its_arguments_and_a_folders_files(world, 
     compare = client.get(f"/registry/compare/?a={embedding.pk}&b={endpoint.pk}")
     assert compare.status_code == 200
     assert "engine: base_url" in compare.content.decode()
+
+
+def test_a_version_page_shows_its_footprint_and_the_agents_it_fits(world, client_for) -> None:
+    from controlplane.fleet.models import Agent
+    from controlplane.registry.models import ModelVersion
+    from controlplane.rollouts.models import Deployment
+
+    footprint = {
+        "weight_bytes": 269_030_016,
+        "kv_bytes": 47_185_920,
+        "headroom_bytes": 31_621_594,
+        "total_bytes": 347_837_530,
+        "parameters": 134_515_008,
+        "bytes_per_parameter": 2.0,
+        "kv_bytes_per_token": 23_040,
+        "kv_tokens": 2048,
+        "kv_basis": "engine_args.num_blocks",
+    }
+    ModelVersion.objects.filter(pk=world.candidate.pk).update(footprint=footprint)
+    small, large = world.agents[:2]
+    Agent.objects.filter(pk=small.pk).update(inventory={"memory_offered_bytes": 2**28})
+    Agent.objects.filter(pk=large.pk).update(inventory={"memory_offered_bytes": 2**30})
+    client = client_for(Role.VIEWER)
+    page = client.get(f"/registry/versions/{world.candidate.pk}/").content.decode()
+    assert 'data-footprint-total="347837530">0.32 GiB<' in page
+    assert '0.25 GiB <span class="muted">(134,515,008 parameters x 2.0 bytes)' in page
+    assert "(2,048 tokens x 23,040 bytes; engine_args.num_blocks)" in page
+    assert f'data-fit-agent="{small.name}"><td>{small.name}</td><td>0.25 GiB</td>' in page
+    rows = page.split("data-fit-agent=")[1:]
+    fits = {row.split('"')[1]: ">fits<" in row for row in rows}
+    assert (fits[small.name], fits[large.name]) == (False, True)
+    unknown = client.get(f"/registry/versions/{world.stable.pk}/").content.decode()
+    assert "Unknown: computed at registration. Placed on any spare agent." in unknown
+
+    message = "version 9 needs 1.50 GiB (...); largest spare agent agent-2 offers 1.00 GiB"
+    Deployment.objects.filter(pk=world.deployment.pk).update(
+        unplaced_versions=[
+            {
+                "version_id": 9,
+                "needed_bytes": 1,
+                "largest_offer_bytes": 1,
+                "largest_agent": "agent-2",
+                "message": message,
+            }
+        ]
+    )
+    rollouts = client.get("/rollouts/").content.decode()
+    assert f'data-unplaced-version="9">Not placed: {message}</p>' in rollouts

@@ -10,6 +10,8 @@ from django import template
 from django.utils.html import format_html, json_script
 from django.utils.safestring import SafeString
 
+from contracts import capacity
+
 register = template.Library()
 
 MISSING = "\u2013"  # an en dash for a missing figure
@@ -43,6 +45,14 @@ def sparkline(
         window=window_s,
         points=json.dumps(points),
     )
+
+
+@register.filter
+def gib(value: Any) -> str:
+    """Bytes as the capacity model words them (1.31 GiB)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return MISSING
+    return capacity.gib(value)
 
 
 @register.filter

@@ -1,0 +1,112 @@
+"""Which spare agent a version goes to: one whose memory holds it (docs/capacity.md).
+
+An agent offers `memory_offered_bytes` (its device's memory, capped by the operator); a
+version needs its footprint (`ModelVersion.footprint`, contracts/capacity.py). A version
+fits an agent when, beside the engines it already runs (a loaded engine keeps serving
+until its replacement is warm, so a swap briefly holds both):
+
+- the agent's engines need no more than it offers, and
+- every engine on its device (agents sharing a GPU, or CPU agents sharing a host) needs
+  no more than the device's memory.
+
+Of the agents it fits, the one that offers least takes it (the large ones stay free for
+large versions). A version whose footprint is unknown goes to the first spare agent, as
+before footprints. When none fits, the reason names the figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from contracts.capacity import footprint_describe, footprint_total, gib
+from controlplane.fleet.inventory import device_key, memory_offered, memory_total
+from controlplane.fleet.models import Agent
+
+
+@dataclass(frozen=True, slots=True)
+class Unplaced:
+    """Why a version has no agent: every figure an operator needs to act on it."""
+
+    version_id: int
+    needed_bytes: int
+    largest_offer_bytes: int
+    largest_agent: str
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version_id": self.version_id,
+            "needed_bytes": self.needed_bytes,
+            "largest_offer_bytes": self.largest_offer_bytes,
+            "largest_agent": self.largest_agent,
+            "message": self.message,
+        }
+
+
+class Placement:
+    """The fleet's memory as one reconcile pass sees it: what each agent's engines need
+    (its loaded version, and loads sent to it and not finished), and what each device has."""
+
+    def __init__(
+        self,
+        *,
+        agents: Iterable[Agent],
+        footprints: Mapping[int, Any],
+        engines: Mapping[int, set[int]],
+    ) -> None:
+        """`footprints`: version id -> stored footprint; `engines`: agent pk -> the version
+        ids its engines serve or are loading."""
+        self._footprints = footprints
+        self._agents = list(agents)
+        self._engines = {agent.pk: set(engines.get(agent.pk, set())) for agent in self._agents}
+
+    def need(self, version_id: int | None) -> int:
+        return (footprint_total(self._footprints.get(version_id)) or 0) if version_id else 0
+
+    def _agent_need(self, agent: Agent) -> int:
+        return sum(self.need(version_id) for version_id in self._engines.get(agent.pk, ()))
+
+    def _device_need(self, agent: Agent) -> int:
+        device = device_key(host=agent.host, inventory=agent.inventory)
+        return sum(
+            self._agent_need(other)
+            for other in self._agents
+            if device_key(host=other.host, inventory=other.inventory) == device
+        )
+
+    def _room(self, agent: Agent) -> int:
+        """What a new engine on `agent` may take, beside the engines there now."""
+        own = memory_offered(agent.inventory) - self._agent_need(agent)
+        device = memory_total(agent.inventory) - self._device_need(agent)
+        return min(own, device)
+
+    def choose(self, version_id: int, spare: list[Agent]) -> tuple[Agent | None, Unplaced | None]:
+        """The spare agent to load `version_id` on, or why none will do."""
+        if not spare:
+            return None, None
+        footprint = self._footprints.get(version_id)
+        needed = footprint_total(footprint)
+        if needed is None or footprint is None:
+            return spare[0], None
+        fitting = [agent for agent in spare if self._room(agent) >= needed]
+        if fitting:
+            chosen = min(fitting, key=lambda agent: memory_offered(agent.inventory))
+            self._engines.setdefault(chosen.pk, set()).add(version_id)
+            return chosen, None
+        largest = max(spare, key=lambda agent: (self._room(agent), agent.name))
+        offer, room = memory_offered(largest.inventory), max(self._room(largest), 0)
+        message = (
+            f"version {version_id} needs {footprint_describe(footprint)}; "
+            f"largest spare agent {largest.name} offers {gib(offer)}"
+        )
+        if room < offer:
+            message += f", of which {gib(room)} is free beside the engines on its device"
+        return None, Unplaced(
+            version_id=version_id,
+            needed_bytes=needed,
+            largest_offer_bytes=room,
+            largest_agent=largest.name,
+            message=message,
+        )
