@@ -759,7 +759,7 @@ def test_f_a_rollout_moves_the_deployment_from_our_engine_to_vllm(stack, django_
     under traffic, judged on the same signals, and no client request fails."""
     with django_db_blocker.unblock():
         candidate = stack.versions["vllm"]
-        traffic_start = stack.traffic.mark()
+        traffic_start, routing_start = stack.traffic.mark(), stack.monitor.mark()
         rollout = deployments.rollout_create(
             actor=None,
             deployment=stack.deployment,
@@ -777,7 +777,8 @@ def test_f_a_rollout_moves_the_deployment_from_our_engine_to_vllm(stack, django_
         advancing = AnalysisRun.objects.filter(rollout=rollout, action="advance")
         assert sorted(advancing.values_list("stage_index", flat=True)) == [0, 1, 2]
         wait_until(lambda: stack.routed() == {candidate.pk: 100}, timeout=30)
-        weights = [w for w, _ in itertools.groupby(stack.monitor.weights_of(candidate.pk))]
+        routed_weights = stack.monitor.weights_of(candidate.pk, routing_start)
+        weights = [w for w, _ in itertools.groupby(routed_weights)]
         assert weights[:3] == [25, 50, 100]
         assert Deployment.objects.get(pk=stack.deployment.pk).stable_version_id == candidate.pk
 
