@@ -36,6 +36,7 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature
 
 from contracts import engines
+from contracts.fields import FieldReader
 from contracts.signing import SignatureError, load_public_key
 from contracts.streams import (
     MAX_BIGINT,
@@ -90,63 +91,12 @@ FINAL_COMMAND_STATUSES = frozenset(
 
 
 # Field readers: each raises ContractError naming the field.
-
-
-def _required(data: Mapping[str, str], name: str) -> str:
-    value = data.get(name)
-    if value is None:
-        raise ContractError(f"{name}: missing")
-    if not isinstance(value, str):
-        raise ContractError(f"{name}: must be a string, got {type(value).__name__}")
-    return value
+_FIELDS = FieldReader(ContractError)
+_required, _float, _choice, _text = _FIELDS.required, _FIELDS.number, _FIELDS.choice, _FIELDS.text
 
 
 def _int(data: Mapping[str, str], name: str, *, minimum: int = 0, maximum: int = MAX_BIGINT) -> int:
-    raw = _required(data, name)
-    try:
-        value = int(raw)
-    except ValueError as exc:
-        raise ContractError(f"{name}: not an integer: {raw[:40]!r}") from exc
-    if value < minimum:
-        raise ContractError(f"{name}: must be >= {minimum}, got {value}")
-    if value > maximum:
-        raise ContractError(f"{name}: must be <= {maximum}, got {value}")
-    return value
-
-
-def _float(
-    data: Mapping[str, str], name: str, *, minimum: float = 0.0, maximum: float | None = None
-) -> float:
-    raw = _required(data, name)
-    try:
-        value = float(raw)
-    except ValueError as exc:
-        raise ContractError(f"{name}: not a number: {raw[:40]!r}") from exc
-    if not math.isfinite(value):
-        raise ContractError(f"{name}: must be finite, got {raw[:40]!r}")
-    if value < minimum:
-        raise ContractError(f"{name}: must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ContractError(f"{name}: must be <= {maximum}, got {value}")
-    return value
-
-
-def _choice(data: Mapping[str, str], name: str, enum: type[StrEnum]) -> Any:
-    raw = _required(data, name)
-    try:
-        return enum(raw)
-    except ValueError as exc:
-        allowed = ", ".join(member.value for member in enum)
-        raise ContractError(f"{name}: {raw[:40]!r} is not one of {allowed}") from exc
-
-
-def _text(data: Mapping[str, str], name: str, *, max_length: int) -> str:
-    value = _required(data, name)
-    if len(value) > max_length:
-        raise ContractError(f"{name}: longer than {max_length} characters")
-    if "\x00" in value:  # PostgreSQL text cannot hold it
-        raise ContractError(f"{name}: contains a NUL character")
-    return value
+    return _FIELDS.integer(data, name, minimum=minimum, maximum=maximum)
 
 
 # Commands.

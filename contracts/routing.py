@@ -39,7 +39,6 @@ Pure Python on purpose: the gateway, the reconciler and tests share it.
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from enum import StrEnum
 from typing import Any
 
 from contracts.commands import ENGINE_SECRET_PATTERN
+from contracts.fields import FieldReader
 from contracts.fields_mac import MAC_FIELD, FieldsMacError, fields_mac, fields_sign, fields_verify
 from contracts.streams import MAX_BIGINT, MAX_INTEGER
 from contracts.streams import MAX_SENT_AT as MAX_UNIX_TIME
@@ -452,57 +452,16 @@ TEXT_FIELD_LENGTHS = {"deployment": 100, "agent": 255, "endpoint_kind": 20}  # C
 OPTIONAL_TEXT_FIELDS = ("prompt", "completion")  # TextField, only when the tenant keeps prompts
 
 
-def _required(data: Mapping[str, str], name: str) -> str:
-    value = data.get(name)
-    if value is None:
-        raise RoutingContractError(f"{name}: missing")
-    if not isinstance(value, str):
-        raise RoutingContractError(f"{name}: must be a string, got {type(value).__name__}")
-    return value
-
-
-def _int(data: Mapping[str, str], name: str, *, minimum: int = 0, maximum: int) -> int:
-    raw = _required(data, name)
-    try:
-        value = int(raw)
-    except ValueError as exc:
-        raise RoutingContractError(f"{name}: not an integer: {raw[:40]!r}") from exc
-    if value < minimum:
-        raise RoutingContractError(f"{name}: must be >= {minimum}, got {value}")
-    if value > maximum:
-        raise RoutingContractError(f"{name}: must be <= {maximum}, got {value}")
-    return value
-
-
-def _float(data: Mapping[str, str], name: str, *, maximum: float | None = None) -> float:
-    raw = _required(data, name)
-    try:
-        value = float(raw)
-    except ValueError as exc:
-        raise RoutingContractError(f"{name}: not a number: {raw[:40]!r}") from exc
-    if not math.isfinite(value) or value < 0:
-        raise RoutingContractError(f"{name}: must be a finite number >= 0, got {raw[:40]!r}")
-    if maximum is not None and value > maximum:
-        raise RoutingContractError(f"{name}: must be <= {maximum}, got {value}")
-    return value
+_FIELDS = FieldReader(RoutingContractError)
+_required, _int, _float, _no_nul = _FIELDS.required, _FIELDS.integer, _FIELDS.number, _FIELDS.no_nul
 
 
 def _optional_float(data: Mapping[str, str], name: str) -> float | None:
     return None if _required(data, name) == "" else _float(data, name)
 
 
-def _no_nul(name: str, value: str) -> str:
-    if "\x00" in value:  # PostgreSQL text cannot hold it
-        raise RoutingContractError(f"{name}: contains a NUL character")
-    return value
-
-
 def _text(data: Mapping[str, str], name: str) -> str:
-    value = _required(data, name)
-    max_length = TEXT_FIELD_LENGTHS[name]
-    if len(value) > max_length:
-        raise RoutingContractError(f"{name}: longer than {max_length} characters")
-    return _no_nul(name, value)
+    return _FIELDS.text(data, name, max_length=TEXT_FIELD_LENGTHS[name])
 
 
 def _optional_text(data: Mapping[str, str], name: str) -> str | None:

@@ -155,13 +155,13 @@ class FaultMiddleware:
         await self.app(scope, receive, held)
 
 
-async def read_body(receive: Receive) -> bytes | None:
-    """The request's body; None when it passes MAX_BODY_BYTES."""
+async def read_body(receive: Receive, limit: int = MAX_BODY_BYTES) -> bytes | None:
+    """The request's whole body; None when it passes `limit` bytes."""
     body = bytearray()
     while True:
         message = await receive()
         body.extend(message.get("body", b""))
-        if len(body) > MAX_BODY_BYTES:
+        if len(body) > limit:
             return None
         if not message.get("more_body"):
             return bytes(body)

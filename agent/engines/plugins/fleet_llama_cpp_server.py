@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from fleet_engine_faults import FaultMiddleware
+from fleet_engine_faults import FaultMiddleware, read_body
 from fleet_engine_identity import (
     ASGIApp,
     IdentityMiddleware,
@@ -180,7 +180,7 @@ class FleetMiddleware:
         status = 500
         is_json = is_stream = False
         body = bytearray()
-        request = await read_request(receive)
+        request = await read_body(receive, MAX_REQUEST_BYTES)
         if request is None:
             error = b'{"error":{"message":"the request body is too large","code":"body_too_large"}}'
             await respond(send, 413, "application/json", error)
@@ -227,18 +227,6 @@ class FleetMiddleware:
                     metrics.count_usage(bytes(body))
             elif status >= 500:
                 metrics.requests_failed += 1
-
-
-async def read_request(receive: Receive) -> bytes | None:
-    """The request's whole body; None past MAX_REQUEST_BYTES."""
-    body = bytearray()
-    while True:
-        message = await receive()
-        body.extend(message.get("body", b""))
-        if len(body) > MAX_REQUEST_BYTES:
-            return None
-        if not message.get("more_body"):
-            return bytes(body)
 
 
 def main(argv: list[str] | None = None) -> None:
