@@ -50,9 +50,14 @@ def request(
         "headers": headers or [],
     }
     messages: list[dict[str, Any]] = []
+    received: list[str] = []
 
     async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": body, "more_body": False}
+        """The body once, then the client's disconnect (what a server listens for)."""
+        received.append("body" if not received else "disconnect")
+        if received[-1] == "body":
+            return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
         messages.append(message)
@@ -207,7 +212,10 @@ def test_llama_cpp_launcher_adds_the_streamed_usage_it_counted() -> None:
     async def llama_app(scope: Any, receive: Any, send: Any) -> None:
         """Streams a chat as llama_cpp.server does: the model runs in a worker thread, and
         the caller stops at the end-of-generation token, as its completion loop does."""
-        await receive()
+        assert (await receive())["type"] == "http.request"
+        # Then it listens for the client leaving: the launcher passes that on, not the
+        # body again (which would never let the stream end).
+        assert (await receive())["type"] == "http.disconnect"
 
         def run_model() -> list[int]:
             out = []

@@ -38,6 +38,7 @@ from tests.agent.test_agent_processes import (
     agent_args,
     find_agent,
     free_port_pair,
+    ingest_args,
     log_records,
     logs,
     running,
@@ -213,33 +214,40 @@ def stream_through_gateway(
     tenant = tenant_create(actor=None, slug="acme", name="Acme", allowed_models=[fleet.model])
     key = api_key_create(actor=None, tenant=tenant, name="test").raw_key
     gateway = start_gateway(fleet.tmp_path, fleet.tmp_path / "spool")
-    try:
-        asked = {**question, "stream": True, "stream_options": {"include_usage": True}}
+    ingest_log = fleet.tmp_path / "ingest.log"
+    asked = {**question, "stream": True, "stream_options": {"include_usage": True}}
+    answers: list[httpx.Response] = []
 
-        def ask() -> httpx.Response:
-            reconcile_deployment(deployment_id=deployment.pk)
-            return httpx.post(
+    def ask() -> httpx.Response:
+        reconcile_deployment(deployment_id=deployment.pk)
+        answers.append(
+            httpx.post(
                 f"{gateway.url}/v1/chat/completions",
                 json=asked,
                 headers={"Authorization": f"Bearer {key}"},
                 timeout=60,
             )
-
-        # Routed once the server has proved its identity and the gateway has the table.
-        wait_until(
-            lambda: ask().status_code == 200,
-            timeout=60,
-            interval=1.0,
-            message=lambda: logs(gateway.log),
         )
-        events = [
-            json.loads(line.removeprefix("data: "))
-            for line in ask().text.splitlines()
-            if line.startswith("data: {")
-        ]
-        assert [event for event in events if event.get("error")] == []
-        usages = [event["usage"] for event in events if event.get("usage")]
-        assert len(usages) == 1 and events[-1]["choices"] == []  # last, as OpenAI's is
-        return {k: usages[0][k] for k in ("prompt_tokens", "completion_tokens")}
+        return answers[-1]
+
+    # Ingest tells the control plane what the agent serves (from its heartbeats).
+    try:
+        with running(ingest_args(), ingest_log):
+            # Routed once the server has proved its identity and the gateway has the table.
+            wait_until(
+                lambda: ask().status_code == 200,
+                timeout=60,
+                interval=1.0,
+                message=lambda: f"{answers[-1].text[:300]}\n{logs(gateway.log, ingest_log)}",
+            )
+            events = [
+                json.loads(line.removeprefix("data: "))
+                for line in ask().text.splitlines()
+                if line.startswith("data: {")
+            ]
     finally:
         stop_process(gateway.process, timeout=30)
+    assert [event for event in events if event.get("error")] == []
+    usages = [event["usage"] for event in events if event.get("usage")]
+    assert len(usages) == 1 and events[-1]["choices"] == []  # last, as OpenAI's is
+    return {k: usages[0][k] for k in ("prompt_tokens", "completion_tokens")}

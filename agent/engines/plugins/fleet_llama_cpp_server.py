@@ -190,7 +190,14 @@ class FleetMiddleware:
         last_chunk = b""
         token = CURRENT_USAGE.set(usage)
 
+        is_replayed = False
+
         async def replay() -> Message:
+            """The body read above, then the client's own messages (its disconnect)."""
+            nonlocal is_replayed
+            if is_replayed:
+                return await receive()
+            is_replayed = True
             return {"type": "http.request", "body": request, "more_body": False}
 
         async def watch(message: Message) -> None:
