@@ -41,7 +41,7 @@ from controlplane.core.roles import Role
 from controlplane.fleet.models import Agent
 from controlplane.registry import services as registry_services
 from controlplane.registry.models import EvalKind, EvalSuite, Evaluation, Model, SigningKey
-from controlplane.rollouts import deployments, transitions
+from controlplane.rollouts import deployments, transitions, undo
 from controlplane.rollouts.models import ACTIVE_STATES, AnalysisRun, Deployment, Rollout
 from controlplane.telemetry.models import RequestSample
 from controlplane.tenants.services import api_key_create, tenant_create
@@ -71,6 +71,7 @@ CHILD_ENV = {
     "ROLLOUTS_DRAIN_GRACE_S": "2",
     "ROLLOUTS_AGENT_FRESH_S": "5",
     "GATEWAY_ROUTING_REFRESH_S": "1",
+    "ROLLOUTS_PREVIOUS_STABLE_WARM_S": "3600",  # the tests' stables stay warm to the end
 }
 CELERY = [PYTHON, "-m", "celery", "-A", "controlplane"]
 WIDE_POLICY = {
@@ -631,3 +632,53 @@ def test_d_revoking_the_candidate_mid_rollout_stops_serving_it(stack, django_db_
         assert not RequestSample.objects.filter(
             version=candidate, finished_at__gt=drained_at
         ).exists()
+
+
+def test_e_undo_puts_the_previous_stable_back_within_seconds(stack, django_db_blocker) -> None:
+    with django_db_blocker.unblock():
+        previous_id = undo.undo_target(Deployment.objects.get(pk=stack.deployment.pk))
+        if previous_id is None:  # run alone: promote a candidate first
+            previous_id = stack.stable_id()
+            candidate = next(
+                v for k, v in stack.versions.items() if k != "drill" and v.pk != previous_id
+            )
+            rollout = deployments.rollout_create(
+                actor=None,
+                deployment=stack.deployment,
+                candidate=candidate,
+                stages=[{"weight": 100, "min_duration_s": 1, "min_requests": 1}],
+                policy=WIDE_POLICY,
+                reason="e2e: promoted to be undone",
+            )
+            rollout = wait_state(stack, rollout, {"promoted", "rolled_back", "failed"}, READY_S)
+            assert rollout.state == "promoted", rollout.state_reason
+        demoted_id = stack.stable_id()
+        # The previous stable version is warm: an agent serves it, unrouted.
+        wait_until(
+            lambda: undo.is_warm(previous_id), timeout=READY_S, interval=0.2, message=stack.tail
+        )
+        assert stack.routed() == {demoted_id: 100}
+        traffic_start, called_at = stack.traffic.mark(), timezone.now()
+        api = APIClient()
+        api.force_login(stack.on_call)
+        called = time.monotonic()
+        response = api.post(
+            f"/api/v1/deployments/{DEPLOYMENT}/undo/", {"reason": "e2e: undo"}, format="json"
+        )
+        assert response.status_code == 200, response.content
+        assert response.json()["switch"] == "immediate"
+        # The requirement under test: the previous stable takes every request within 3 s.
+        wait_until(
+            lambda: stack.routed() == {previous_id: 100},
+            timeout=max(3 - (time.monotonic() - called), 0.01),
+            interval=0.05,
+            message=stack.tail,
+        )
+        wait_until(
+            lambda: RequestSample.objects.filter(
+                version_id=previous_id, finished_at__gt=called_at
+            ).exists(),
+            timeout=30,
+            message=stack.tail,
+        )
+        assert [o for o in settle(stack, traffic_start) if not o.ok] == []
