@@ -11,10 +11,10 @@ admin secret (controlplane.fleet.endpoint_checks). A revoked
 version is never routed nor kept loaded, and an active rollout of one is ended first.
 
 The version a promotion or an undo replaced (the deployment's latest revision's previous
-version) is kept warm for ROLLOUTS_PREVIOUS_STABLE_WARM_S: loaded on an agent no routed or
-preloaded version needs, never drained meanwhile, and given up to any version that needs
-its agent. While a new stable version has no ready agent, that previous version keeps
-the traffic, so an undo to a version that was not warm switches once it is ready.
+version) is kept warm for ROLLOUTS_PREVIOUS_STABLE_WARM_S: loaded on an idle agent, never
+drained meanwhile, and given up to any version that needs its agent. While a new stable
+version has no ready agent, that previous version keeps the traffic, so an undo to a
+version that was not warm switches once it is ready.
 """
 
 from __future__ import annotations
@@ -405,7 +405,7 @@ def _converge_agents(
             a.loaded_version_id == previous_id and a.state != AgentState.DRAINING for a in alive
         )
     ):
-        _warm_load(deployment, previous_id, alive, needed, warm, busy, report)
+        _warm_load(deployment, previous_id, alive, busy, report)
 
     grace = settings.ROLLOUTS_DRAIN_GRACE_S
     for agent in alive:
@@ -443,22 +443,14 @@ def _warm_load(
     deployment: Deployment,
     version_id: int,
     alive: list[Agent],
-    needed: set[int],
-    warm: set[int],
     busy: Any,
     report: ReconcileReport,
 ) -> None:
-    """Load the previous stable version on an agent nothing routed, preloaded or warm uses."""
+    """Load the previous stable version on an idle agent. An agent still holding a version
+    nobody needs is drained first (a revoked one must stop at once, not after a load)."""
     from controlplane.fleet import services as fleet_services
 
-    spare = [
-        a
-        for a in alive
-        if not busy(a)
-        and a.state in {AgentState.IDLE, AgentState.READY}
-        and a.loaded_version_id not in needed
-        and a.loaded_version_id not in warm
-    ]
+    spare = [a for a in alive if not busy(a) and a.state == AgentState.IDLE]
     if not spare:
         return
     agent = spare[0]

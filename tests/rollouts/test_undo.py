@@ -278,6 +278,20 @@ def test_an_idle_agent_loads_the_previous_stable(deployment, versions, redis_cli
     assert {k: v[0] for k, v in weights(redis_client).items()} == {candidate.pk: 100}
 
 
+@override_settings(ROLLOUTS_DRAIN_GRACE_S=0)
+def test_an_agent_holding_an_unneeded_version_is_drained_before_it_warms(
+    deployment, versions, redis_client
+) -> None:
+    stable, candidate = versions
+    third = make_version(stable.model, "int8", "c")
+    agent("gpu-0", candidate)
+    agent("gpu-1", third)  # say, a revoked candidate: it must stop, not wait for a load
+    promote(deployment, candidate)
+    signed(stable)
+    report = reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
+    assert (report.loads, report.drains) == ([], ["gpu-1"])
+
+
 def test_a_candidate_takes_the_warm_agent_when_no_other_is_free(
     deployment, versions, redis_client
 ) -> None:
