@@ -361,6 +361,9 @@ ROLLOUTS_AGENT_FRESH_S = float(os.environ.get("ROLLOUTS_AGENT_FRESH_S", "5"))
 ROLLOUTS_COMMAND_WAIT_S = float(os.environ.get("ROLLOUTS_COMMAND_WAIT_S", "300"))
 # An agent whose version nobody routes to is drained after this grace period.
 ROLLOUTS_DRAIN_GRACE_S = float(os.environ.get("ROLLOUTS_DRAIN_GRACE_S", "10"))
+# After a promotion (or an undo) the version it replaced stays loaded on a spare agent,
+# unrouted, for this long, so that an undo switches back at once (0: not kept).
+ROLLOUTS_PREVIOUS_STABLE_WARM_S = float(os.environ.get("ROLLOUTS_PREVIOUS_STABLE_WARM_S", "600"))
 ROLLOUTS_WEBHOOK_TIMEOUT_S = float(os.environ.get("ROLLOUTS_WEBHOOK_TIMEOUT_S", "5"))
 # Networks (CIDRs, comma-separated) webhook targets may resolve to although they are
 # loopback, private or link-local; by default none (rollouts/webhook_targets.py).

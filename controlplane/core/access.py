@@ -69,6 +69,11 @@ def can_pause_or_rollback(user: Any) -> bool:
     return role_of(user) in {Role.ADMIN, Role.RELEASE_MANAGER, Role.ON_CALL}
 
 
+def can_undo_deployment(user: Any) -> bool:
+    """Put a deployment's previous stable version back (no rollout, no gate)."""
+    return role_of(user) in {Role.ADMIN, Role.RELEASE_MANAGER, Role.ON_CALL}
+
+
 # Registry.
 
 

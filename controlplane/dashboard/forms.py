@@ -13,6 +13,14 @@ class ReasonForm(forms.Form):
     full = forms.BooleanField(required=False)
 
 
+class UndoForm(forms.Form):
+    """Undo a deployment's last change of stable version; the service checks the reason too."""
+
+    reason = forms.CharField(
+        max_length=2000, strip=True, error_messages={"required": "A reason is required."}
+    )
+
+
 class AgentCommandForm(forms.Form):
     KINDS = [("drain", "Drain"), ("load", "Load version"), ("faults", "Inject faults (drill)")]
 

@@ -21,6 +21,8 @@ urlpatterns = [
         views.rollout_transition,
         name="rollout-transition",
     ),
+    path("deployments/<str:name>/", views.deployment_detail, name="deployment-detail"),
+    path("deployments/<str:name>/undo/", views.deployment_undo, name="deployment-undo"),
     path("registry/", views.registry, name="registry"),
     path("registry/versions/<int:version_id>/", views.version_detail, name="version-detail"),
     path(

@@ -29,7 +29,7 @@ from django.views.decorators.http import require_GET, require_POST
 from contracts.routing import REQUESTS_STREAM
 from controlplane.audit.selectors import audit_event_list
 from controlplane.core import access
-from controlplane.core.errors import DomainError
+from controlplane.core.errors import DomainError, NotFound
 from controlplane.core.redis_clients import redis_client
 from controlplane.dashboard import forms, presenters
 from controlplane.dashboard.pages import domain_error_show, render_page, require
@@ -41,13 +41,14 @@ from controlplane.fleet.models import AgentState
 from controlplane.registry import selectors as registry_selectors
 from controlplane.registry.models import DEPLOYABLE_STATUSES
 from controlplane.rollouts import selectors as rollout_selectors
-from controlplane.rollouts import stages, transitions
+from controlplane.rollouts import stages, transitions, undo
 from controlplane.rollouts.models import ACTIVE_STATES, Rollout
 from controlplane.telemetry.stream_trim import StreamLoss, stream_loss_get
 
 SPARKLINE_WINDOW = timedelta(minutes=10)
 ENERGY_WINDOW = timedelta(minutes=5)
 AUDIT_PAGE_SIZE = 50
+REVISIONS_SHOWN = 10
 ANALYSIS_RUNS_SHOWN = 200
 USAGE_LOST_ALERT_WINDOW = timedelta(days=7)
 
@@ -228,6 +229,68 @@ def rollout_transition(request: HttpRequest, rollout_id: int, action: str) -> Ht
     else:
         messages.success(request, f"Rollout {result.pk} is {result.get_state_display()}.")
     return redirect("dashboard:rollout-detail", rollout_id=rollout.pk)
+
+
+# Deployments.
+
+
+def deployment_page(
+    request: HttpRequest,
+    name: str,
+    *,
+    form: forms.UndoForm | None = None,
+    undo_error: str = "",
+    status: int = 200,
+) -> HttpResponse:
+    """The deployment's stable version, its last stables and the undo form (with any
+    refusal shown next to it)."""
+    require(access.is_staff_reader(request.user))
+    deployment = get_object_or_404(rollout_selectors.deployment_list(), name=name)
+    revisions = rollout_selectors.deployment_revision_list(deployment=deployment)
+    target_id = undo.undo_target(deployment)
+    context = {
+        "deployment": deployment,
+        "revisions": revisions[:REVISIONS_SHOWN],
+        "active_rollout": rollout_selectors.rollout_list()
+        .filter(deployment=deployment, state__in=ACTIVE_STATES)
+        .first(),
+        "undo_target": registry_selectors.version_list().filter(pk=target_id).first()
+        if target_id is not None
+        else None,
+        "may_undo": access.can_undo_deployment(request.user),
+        "form": form or forms.UndoForm(),
+        "undo_error": undo_error,
+    }
+    return render(request, "dashboard/deployment_detail.html", context, status=status)
+
+
+@login_required
+@require_GET
+def deployment_detail(request: HttpRequest, name: str) -> HttpResponse:
+    return deployment_page(request, name)
+
+
+@login_required
+@require_POST
+def deployment_undo(request: HttpRequest, name: str) -> HttpResponse:
+    require(access.can_undo_deployment(request.user))
+    form = forms.UndoForm(request.POST)
+    if not form.is_valid():
+        return deployment_page(request, name, form=form, status=400)
+    try:
+        result = undo.deployment_undo(
+            actor=request.user, deployment_name=name, reason=form.cleaned_data["reason"]
+        )
+    except DomainError as error:
+        if isinstance(error, NotFound):
+            raise Http404(error.message) from error
+        return deployment_page(
+            request, name, form=form, undo_error=error.message, status=error.status_code
+        )
+    restored = result.deployment.stable_version
+    when = "now" if result.switch == undo.Switch.IMMEDIATE else "once an agent has loaded it"
+    messages.success(request, f"{name} is back on {restored.label}: it takes the traffic {when}.")
+    return redirect("dashboard:deployment-detail", name=name)
 
 
 # Registry.

@@ -20,9 +20,11 @@ from controlplane.rollouts.models import (
     ACTIVE_STATES,
     Deployment,
     DesiredRouting,
+    RevisionSource,
     Rollout,
     RolloutState,
 )
+from controlplane.rollouts.revisions import revision_record
 from controlplane.rollouts.stages import policy_validate, stages_validate
 
 
@@ -45,6 +47,13 @@ def deployment_create(
     check_deployable(stable_version, field="stable_version")
     deployment = Deployment.objects.create(name=name, stable_version=stable_version)
     routing_write(deployment, rollout=None)
+    revision_record(
+        deployment=deployment,
+        previous_version_id=None,
+        source=RevisionSource.CREATE,
+        actor=actor,
+        reason=reason,
+    )
     audit_event_record(
         actor=actor,
         action="deployment.create",

@@ -75,6 +75,43 @@ class Deployment(models.Model):
         return self.name
 
 
+class RevisionSource(models.TextChoices):
+    CREATE = "create", "Created"
+    PROMOTE = "promote", "Promoted"
+    UNDO = "undo", "Undone"
+
+
+class DeploymentRevision(models.Model):
+    """One change of a deployment's stable version, appended in the change's transaction.
+
+    The latest row names the current stable version and the one before it: what an undo
+    restores, and what the reconciler keeps warm for ROLLOUTS_PREVIOUS_STABLE_WARM_S.
+    """
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="revisions")
+    version = models.ForeignKey("registry.ModelVersion", on_delete=models.PROTECT, related_name="+")
+    previous_version = models.ForeignKey(
+        "registry.ModelVersion", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    source = models.CharField(max_length=20, choices=RevisionSource.choices)
+    rollout = models.ForeignKey(
+        "Rollout", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    actor_name = models.CharField(max_length=150)  # kept when the user is deleted
+    reason = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-id"]  # newest first: rows are appended under the deployment's lock
+        indexes = [models.Index(fields=["deployment", "-id"], name="rollouts_revision_latest")]
+
+    def __str__(self) -> str:
+        return f"{self.deployment_id}: {self.previous_version_id} -> {self.version_id}"
+
+
 class Rollout(models.Model):
     deployment = models.ForeignKey(Deployment, on_delete=models.PROTECT, related_name="rollouts")
     baseline = models.ForeignKey(

@@ -9,6 +9,12 @@ of that version accepted or succeeded (each endpoint's serving secret derives fr
 latest), at an endpoint the agent registered whose engine proved it holds that load's
 admin secret (controlplane.fleet.endpoint_checks). A revoked
 version is never routed nor kept loaded, and an active rollout of one is ended first.
+
+The version a promotion or an undo replaced (the deployment's latest revision's previous
+version) is kept warm for ROLLOUTS_PREVIOUS_STABLE_WARM_S: loaded on an idle agent, never
+drained meanwhile, and given up to any version that needs its agent. While a new stable
+version has no ready agent, that previous version keeps the traffic, so an undo to a
+version that was not warm switches once it is ready.
 """
 
 from __future__ import annotations
@@ -33,12 +39,13 @@ from controlplane.core.redis_clients import redis_client
 from controlplane.fleet.endpoint_checks import endpoints_verify
 from controlplane.fleet.engine_secrets import serving_loads, serving_secrets
 from controlplane.fleet.models import Agent, AgentCommand, AgentState, CommandKind, CommandStatus
-from controlplane.registry.models import ModelVersion, VersionStatus
+from controlplane.registry.models import DEPLOYABLE_STATUSES, ModelVersion, VersionStatus
 from controlplane.registry.serving import context_length
 from controlplane.rollouts import decisions
 from controlplane.rollouts.models import (
     ACTIVE_STATES,
     Deployment,
+    DeploymentRevision,
     DesiredRouting,
     Rollout,
     RolloutState,
@@ -60,6 +67,7 @@ class ReconcileReport:
     loads: list[tuple[str, int]] = field(default_factory=list)  # (agent, version id) sent
     drains: list[str] = field(default_factory=list)
     rolled_back: bool = False
+    handover: bool = False  # the previous stable version serves until the stable one is ready
     skipped: str = ""
     unplaced: list[str] = field(default_factory=list)  # why a version has no agent
 
@@ -137,6 +145,7 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
     agents = list(Agent.objects.all())
     stable_id = desired.get("stable_version_id") or deployment.stable_version_id
     canary_id = desired.get("canary_version_id")
+    previous_id = _previous_stable(deployment.pk, stable_id)
     weight = int(desired.get("canary_weight") or 0)
     tenants = desired.get("canary_tenants") or []
 
@@ -148,7 +157,12 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
         a
         for a in agents
         if a.pk in secrets  # the gateway could not authenticate to its engine otherwise
-        and (_is_serving(a, stable_id, fresh_after) or _is_serving(a, canary_id, fresh_after))
+        and (
+            _is_serving(a, stable_id, fresh_after)
+            or _is_serving(a, canary_id, fresh_after)
+            # Proved ahead of an undo (or a handover) that routes to it.
+            or (previous_id is not None and _is_serving(a, previous_id, fresh_after))
+        )
     ]
     verified = endpoints_verify(agents=serving, loads=loads, client=client)
 
@@ -187,26 +201,39 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
     canary_endpoints = ready_endpoints(canary_id) if canary_id is not None else []
     effective = weight if canary_endpoints else 0
     shared = 0 if tenants else effective  # the canary's weight for every tenant
-    version_rows = ModelVersion.objects.filter(pk__in=[stable_id, canary_id or 0]).values_list(
-        "pk", "label", "serving_config", "status"
-    )
+    version_rows = ModelVersion.objects.filter(
+        pk__in=[stable_id, canary_id or 0, previous_id or 0]
+    ).values_list("pk", "label", "serving_config", "status")
     labels = {pk: label for pk, label, _, _ in version_rows}
     context_lengths = {pk: context_length(config) for pk, _, config, _ in version_rows}
     revoked = {pk for pk, _, _, status in version_rows if status == VersionStatus.REVOKED}
     if canary_id in revoked:  # its rollout could not be ended this pass: no weight anyway
         canary_endpoints, effective, shared = [], 0, 0
+    # Handover: a stable version with no ready agent yet (just restored by an undo, or its
+    # agents gone) is covered by the version it replaced, when that one still serves.
+    routed_stable_id = stable_id
+    if (
+        not stable_endpoints
+        and not canary_endpoints
+        and previous_id is not None
+        and previous_id not in revoked
+        and ready_endpoints(previous_id)
+    ):
+        routed_stable_id = previous_id
+        stable_endpoints = ready_endpoints(previous_id)
+        report.handover = True
     versions = []
     # A revoked stable version leaves the table: its share goes to the canary if there is
     # one, else the model has no route (the gateway answers 503) until a new stable one.
-    if stable_id not in revoked and (100 - shared > 0 or not canary_endpoints):
+    if routed_stable_id not in revoked and (100 - shared > 0 or not canary_endpoints):
         versions.append(
             VersionRoute(
-                version_id=stable_id,
-                label=labels.get(stable_id, str(stable_id)),
+                version_id=routed_stable_id,
+                label=labels.get(routed_stable_id, str(routed_stable_id)),
                 weight=max(100 - shared, 0) or 100,
                 endpoints=tuple(stable_endpoints),
-                max_model_len=context_lengths.get(stable_id, 0),
-                endpoint_secrets=endpoint_secrets(stable_id),
+                max_model_len=context_lengths.get(routed_stable_id, 0),
+                endpoint_secrets=endpoint_secrets(routed_stable_id),
                 role="stable",
             )
         )
@@ -246,6 +273,33 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
 
     _converge_agents(deployment, desired, agents, fresh_after, client, report)
     return report
+
+
+def _previous_stable(deployment_id: int, stable_id: int) -> int | None:
+    """The version the current stable one replaced, while it is kept warm."""
+    retention = settings.ROLLOUTS_PREVIOUS_STABLE_WARM_S
+    if retention <= 0:
+        return None
+    latest = DeploymentRevision.objects.filter(deployment_id=deployment_id).order_by("-id").first()
+    if (
+        latest is None
+        or latest.version_id != stable_id
+        or latest.previous_version_id is None
+        or latest.created_at < timezone.now() - timedelta(seconds=retention)
+    ):
+        return None
+    return latest.previous_version_id
+
+
+def _warm_versions(needed: set[int]) -> set[int]:
+    """Every deployment's previous stable version while kept warm, unless needed anyway."""
+    warm: set[int] = set()
+    for deployment_id, stable_id in Deployment.objects.values_list("pk", "stable_version_id"):
+        previous_id = _previous_stable(deployment_id, stable_id)
+        if previous_id is not None:
+            warm.add(previous_id)
+    deployable = ModelVersion.objects.filter(pk__in=warm, status__in=DEPLOYABLE_STATUSES)
+    return set(deployable.values_list("pk", flat=True)) - needed
 
 
 def _needed_versions() -> set[int]:
@@ -308,6 +362,7 @@ def _converge_agents(
     from controlplane.fleet import services as fleet_services
 
     needed = _needed_versions()
+    warm = _warm_versions(needed)
     alive = [
         a
         for a in agents
@@ -362,7 +417,11 @@ def _converge_agents(
             and (a.state == AgentState.IDLE or (a.loaded_version_id not in needed))
             and a.state != AgentState.DRAINING
         ]
-        agent, why = placement.choose(version_id, spare)
+        # A warm previous stable version gives its agent up last.
+        cold = [a for a in spare if a.loaded_version_id not in warm]
+        agent, why = placement.choose(version_id, cold)
+        if agent is None and len(cold) < len(spare):
+            agent, why = placement.choose(version_id, spare)
         if why is not None:
             unplaced.append(why)
         if agent is None:
@@ -387,6 +446,16 @@ def _converge_agents(
     report.unplaced = [why.message for why in unplaced]
     _unplaced_record(deployment, unplaced)
 
+    previous_id = _previous_stable(deployment.pk, deployment.stable_version_id)
+    if (
+        previous_id in warm
+        and previous_id not in loading
+        and not any(
+            a.loaded_version_id == previous_id and a.state != AgentState.DRAINING for a in alive
+        )
+    ):
+        _warm_load(deployment, previous_id, alive, busy, report)
+
     grace = settings.ROLLOUTS_DRAIN_GRACE_S
     for agent in alive:
         if (
@@ -397,7 +466,7 @@ def _converge_agents(
         ):
             continue
         retire_key = f"rollouts:retire:{agent.name}:{agent.loaded_version_id}"
-        if agent.loaded_version_id in needed:
+        if agent.loaded_version_id in needed or agent.loaded_version_id in warm:
             client.delete(retire_key)
             continue
         # First seen unneeded now; drained after the gateways have dropped it from their tables.
@@ -417,3 +486,32 @@ def _converge_agents(
             client.delete(retire_key)
         except DomainError as exc:
             logger.warning("drain not sent", extra={"agent": agent.name, "error": exc.message})
+
+
+def _warm_load(
+    deployment: Deployment,
+    version_id: int,
+    alive: list[Agent],
+    busy: Any,
+    report: ReconcileReport,
+) -> None:
+    """Load the previous stable version on an idle agent. An agent still holding a version
+    nobody needs is drained first (a revoked one must stop at once, not after a load)."""
+    from controlplane.fleet import services as fleet_services
+
+    spare = [a for a in alive if not busy(a) and a.state == AgentState.IDLE]
+    if not spare:
+        return
+    agent = spare[0]
+    try:
+        fleet_services.agent_command_send(
+            actor=None,
+            agent_name=agent.name,
+            kind=CommandKind.LOAD,
+            version_id=version_id,
+            served_model_name=deployment.stable_version.model.name,
+            reason=f"keep {deployment.name}'s previous stable version warm",
+        )
+        report.loads.append((agent.name, version_id))
+    except DomainError as exc:
+        logger.warning("warm load not sent", extra={"agent": agent.name, "error": exc.message})

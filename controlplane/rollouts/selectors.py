@@ -11,6 +11,7 @@ from controlplane.rollouts.analysis import Samples
 from controlplane.rollouts.models import (
     AnalysisRun,
     Deployment,
+    DeploymentRevision,
     Rollout,
     WebhookDelivery,
     WebhookEndpoint,
@@ -20,6 +21,13 @@ from controlplane.telemetry.models import EnergyAllocation, RequestSample
 
 def deployment_list() -> QuerySet[Deployment]:
     return Deployment.objects.select_related("stable_version", "stable_version__model")
+
+
+def deployment_revision_list(*, deployment: Deployment) -> QuerySet[DeploymentRevision]:
+    """The deployment's stable versions, newest first."""
+    return DeploymentRevision.objects.filter(deployment=deployment).select_related(
+        "version", "previous_version", "rollout__created_by"
+    )
 
 
 def rollout_list() -> QuerySet[Rollout]:

@@ -8,6 +8,7 @@ from controlplane.registry.models import EvalSuite, ModelVersion
 from controlplane.rollouts.models import (
     AnalysisRun,
     Deployment,
+    DeploymentRevision,
     Rollout,
     RolloutState,
     WebhookDelivery,
@@ -48,6 +49,46 @@ class DeploymentCreateSerializer(StrictSerializer):
     name = serializers.CharField(max_length=100)
     stable_version = serializers.PrimaryKeyRelatedField(queryset=ModelVersion.objects.all())
     reason = serializers.CharField(required=False, allow_blank=True, default="")
+
+
+class DeploymentRevisionSerializer(serializers.ModelSerializer):
+    """One change of the stable version: `version` replaced `previous_version`."""
+
+    deployment = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    actor = serializers.CharField(source="actor_name", read_only=True)
+
+    class Meta:
+        model = DeploymentRevision
+        fields = [
+            "id",
+            "deployment",
+            "version",
+            "previous_version",
+            "source",
+            "rollout",
+            "actor",
+            "reason",
+            "created_at",
+        ]
+
+
+class UndoSerializer(StrictSerializer):
+    """The reason is checked by the service (codes reason_required, reason_too_long)."""
+
+    reason = serializers.CharField(
+        required=False, allow_blank=True, default="", trim_whitespace=False
+    )
+
+
+class UndoResultSerializer(serializers.Serializer):
+    deployment = DeploymentSerializer()
+    revision = DeploymentRevisionSerializer()
+    switch = serializers.ChoiceField(
+        choices=["immediate", "after_load"],
+        help_text="immediate: an agent serves the restored version and the routing table"
+        " switches at once; after_load: it is loaded first and the demoted version serves"
+        " until it is ready.",
+    )
 
 
 class RolloutSerializer(serializers.ModelSerializer):

@@ -28,7 +28,14 @@ from controlplane.core.errors import Conflict, DomainError, NotFound
 from controlplane.registry.models import DEPLOYABLE_STATUSES, Evaluation, ModelVersion
 from controlplane.rollouts import hooks
 from controlplane.rollouts.deployments import rollout_repr, routing_write
-from controlplane.rollouts.models import ACTIVE_STATES, Deployment, Rollout, RolloutState
+from controlplane.rollouts.models import (
+    ACTIVE_STATES,
+    Deployment,
+    RevisionSource,
+    Rollout,
+    RolloutState,
+)
+from controlplane.rollouts.revisions import revision_record
 
 logger = logging.getLogger(__name__)
 
@@ -240,9 +247,20 @@ def _apply(
         rollout.finished_at = now
     rollout.save()
     deployment = Deployment.objects.select_for_update().get(pk=rollout.deployment_id)
+    promoted_from = None
     if rollout.state == RolloutState.PROMOTED:
+        promoted_from = deployment.stable_version_id
         deployment.stable_version_id = rollout.candidate_id
     routing_write(deployment, rollout=rollout)
+    if promoted_from is not None:
+        revision_record(
+            deployment=deployment,
+            previous_version_id=promoted_from,
+            source=RevisionSource.PROMOTE,
+            actor=actor,
+            reason=reason,
+            rollout=rollout,
+        )
     rollout.deployment = deployment
     tracing.span_attributes_set(
         rollout_id=rollout.pk,

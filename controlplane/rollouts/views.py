@@ -2,12 +2,13 @@
 
 Reads: staff (admin, release manager, on-call, viewer). Create, promote, resume, abort,
 retry: release managers and admins (`can_steer_rollouts`). Pause and roll back: also
-on-call (`can_pause_or_rollback`). Webhooks: release managers and admins.
+on-call (`can_pause_or_rollback`); so is a deployment's undo (`can_undo_deployment`).
+Webhooks: release managers and admins.
 """
 
 from typing import Any
 
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
@@ -19,24 +20,32 @@ from controlplane.rollouts import deployments, selectors, transitions, webhooks
 from controlplane.rollouts.serializers import (
     AnalysisRunSerializer,
     DeploymentCreateSerializer,
+    DeploymentRevisionSerializer,
     DeploymentSerializer,
     PromoteSerializer,
     RolloutCreateSerializer,
     RolloutSerializer,
     TransitionSerializer,
+    UndoResultSerializer,
+    UndoSerializer,
     WebhookDeliverySerializer,
     WebhookEndpointCreateSerializer,
     WebhookEndpointSerializer,
 )
+from controlplane.rollouts.undo import deployment_undo
 
 ReadStaffSteer = allows_by_method(read=access.is_staff_reader, write=access.can_steer_rollouts)
 
 
 class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Deployments by name: /api/v1/deployments/{name}/."""
+
     permission_classes = [ReadStaffSteer]
     serializer_class = DeploymentSerializer
     filterset_fields = ["name"]
     ordering_fields = ["name", "created_at"]
+    lookup_field = "name"
+    lookup_value_regex = r"[a-z0-9._-]{1,100}"
 
     def get_queryset(self):
         return selectors.deployment_list()
@@ -47,6 +56,41 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
         serializer.is_valid(raise_exception=True)
         deployment = deployments.deployment_create(actor=request.user, **serializer.validated_data)
         return Response(DeploymentSerializer(deployment).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(
+        request=UndoSerializer,
+        responses={
+            200: UndoResultSerializer,
+            400: OpenApiResponse(description="reason_required, reason_too_long"),
+            404: OpenApiResponse(description="not_found: no such deployment"),
+            409: OpenApiResponse(
+                description="rollout_in_progress (roll it back or abort it instead),"
+                " no_previous_stable, previous_version_revoked, previous_version_not_deployable"
+            ),
+        },
+    )
+    @action(detail=True, methods=["post"], permission_classes=[allows(access.can_undo_deployment)])
+    def undo(self, request: Request, name: str) -> Response:
+        """Put the previous stable version back at once, without a rollout or its gate."""
+        serializer = UndoSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        result = deployment_undo(
+            actor=request.user, deployment_name=name, reason=serializer.validated_data["reason"]
+        )
+        deployment = selectors.deployment_list().get(pk=result.deployment.pk)
+        return Response(
+            UndoResultSerializer(
+                {"deployment": deployment, "revision": result.revision, "switch": result.switch}
+            ).data
+        )
+
+    @extend_schema(responses={200: DeploymentRevisionSerializer(many=True)})
+    @action(detail=True, methods=["get"])
+    def revisions(self, request: Request, name: str) -> Response:
+        """Every change of the stable version (created, promoted, undone), newest first."""
+        deployment = self.get_object()
+        page = self.paginate_queryset(selectors.deployment_revision_list(deployment=deployment))
+        return self.get_paginated_response(DeploymentRevisionSerializer(page, many=True).data)
 
 
 class RolloutViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):

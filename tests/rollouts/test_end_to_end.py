@@ -45,7 +45,7 @@ from controlplane.fleet.engine_secrets import engine_secrets_payload
 from controlplane.fleet.models import Agent, AgentCommand
 from controlplane.registry import services as registry_services
 from controlplane.registry.models import EvalKind, EvalSuite, Evaluation, Model, SigningKey
-from controlplane.rollouts import deployments, transitions
+from controlplane.rollouts import deployments, transitions, undo
 from controlplane.rollouts.models import ACTIVE_STATES, AnalysisRun, Deployment, Rollout
 from controlplane.telemetry.models import RequestSample
 from controlplane.tenants.services import api_key_create, tenant_create
@@ -76,6 +76,7 @@ CHILD_ENV = {
     "ROLLOUTS_DRAIN_GRACE_S": "2",
     "ROLLOUTS_AGENT_FRESH_S": "5",
     "GATEWAY_ROUTING_REFRESH_S": "1",
+    "ROLLOUTS_PREVIOUS_STABLE_WARM_S": "3600",  # the tests' stables stay warm to the end
 }
 CELERY = [PYTHON, "-m", "celery", "-A", "controlplane"]
 WIDE_POLICY = {
@@ -655,6 +656,63 @@ def test_d_revoking_the_candidate_mid_rollout_stops_serving_it(stack, django_db_
         ).exists()
 
 
+def test_e_undo_puts_the_previous_stable_back_within_seconds(stack, django_db_blocker) -> None:
+    with django_db_blocker.unblock():
+        previous_id = undo.undo_target(Deployment.objects.get(pk=stack.deployment.pk))
+        if previous_id is None:  # run alone: promote a candidate first
+            previous_id = stack.stable_id()
+            candidate = next(
+                v for k, v in stack.versions.items() if k != "drill" and v.pk != previous_id
+            )
+            rollout = deployments.rollout_create(
+                actor=None,
+                deployment=stack.deployment,
+                candidate=candidate,
+                stages=[{"weight": 100, "min_duration_s": 600, "min_requests": 1}],
+                policy=WIDE_POLICY,
+                reason="e2e: promoted to be undone",
+            )
+            wait_until(
+                lambda: stack.routed() == {candidate.pk: 100},
+                timeout=READY_S,
+                interval=0.2,
+                message=stack.tail,
+            )
+            transitions.rollout_advance(
+                actor=None, rollout_id=rollout.pk, reason="e2e: promoted to be undone", full=True
+            )
+        demoted_id = stack.stable_id()
+        # The previous stable version is warm: an agent serves it, unrouted.
+        wait_until(
+            lambda: undo.is_warm(previous_id), timeout=READY_S, interval=0.2, message=stack.tail
+        )
+        assert stack.routed() == {demoted_id: 100}
+        traffic_start, called_at = stack.traffic.mark(), timezone.now()
+        api = APIClient()
+        api.force_login(stack.on_call)
+        called = time.monotonic()
+        response = api.post(
+            f"/api/v1/deployments/{DEPLOYMENT}/undo/", {"reason": "e2e: undo"}, format="json"
+        )
+        assert response.status_code == 200, response.content
+        assert response.json()["switch"] == "immediate"
+        # The requirement under test: the previous stable takes every request within 3 s.
+        wait_until(
+            lambda: stack.routed() == {previous_id: 100},
+            timeout=max(3 - (time.monotonic() - called), 0.01),
+            interval=0.05,
+            message=stack.tail,
+        )
+        wait_until(
+            lambda: RequestSample.objects.filter(
+                version_id=previous_id, finished_at__gt=called_at
+            ).exists(),
+            timeout=30,
+            message=stack.tail,
+        )
+        assert [o for o in settle(stack, traffic_start) if not o.ok] == []
+
+
 def engine_usage(agent: Agent, version: Any) -> dict[str, int]:
     """The usage the engine on `agent` reports itself for the traffic's request, asked
     directly (not streamed) with the serving secret of its load."""
@@ -686,7 +744,7 @@ def assert_usage_is_the_engines(version: Any, expected: dict[str, int]) -> None:
 
 @needs_vllm
 @pytest.mark.timeout(VLLM_ROLLOUT_S + 300)
-def test_e_a_faulty_vllm_canary_is_rolled_back(stack, django_db_blocker) -> None:
+def test_f_a_faulty_vllm_canary_is_rolled_back(stack, django_db_blocker) -> None:
     """Stable on our engine, canary on vLLM: the canary's fault (injected through the
     middleware the agent gives vLLM) rolls it back, as it would on our engine."""
     with django_db_blocker.unblock():
@@ -754,7 +812,7 @@ def test_e_a_faulty_vllm_canary_is_rolled_back(stack, django_db_blocker) -> None
 
 @needs_vllm
 @pytest.mark.timeout(VLLM_ROLLOUT_S + 300)
-def test_f_a_rollout_moves_the_deployment_from_our_engine_to_vllm(stack, django_db_blocker) -> None:
+def test_g_a_rollout_moves_the_deployment_from_our_engine_to_vllm(stack, django_db_blocker) -> None:
     """An ordinary rollout whose candidate runs on another engine: it walks its stages
     under traffic, judged on the same signals, and no client request fails."""
     with django_db_blocker.unblock():

@@ -214,3 +214,37 @@ def test_forms_refuse_a_missing_csrf_token_in_the_browser(open_page) -> None:
     assert answer.value.status == 403
     assert Rollout.objects.get(pk=world.rollout.pk).state == RolloutState.RUNNING
     assert not AuditEvent.objects.filter(action="rollout.rollback").exists()
+
+
+def test_undo_a_promotion_from_the_deployment_page(open_page) -> None:
+    world = off_loop(build_world)
+    off_loop(
+        transitions.rollout_advance,
+        actor=world.users[Role.RELEASE_MANAGER],
+        rollout_id=world.rollout.pk,
+        reason="bf16 held its SLOs",
+        full=True,
+    )
+    page = open_page(world.users[Role.ON_CALL].username)
+    page.goto("/rollouts/")
+    page.click("a[href='/deployments/smollm2/']")
+    assert page.get_attribute("[data-testid=stable-version]", "data-version-id") == str(
+        world.candidate.pk
+    )
+    assert "bf16 held its SLOs" in page.inner_text("#revisions tr[data-source=promote]")
+    # Without a reason: refused next to the form, nothing changed.
+    page.click("button[data-action=undo]")
+    assert page.inner_text("[data-testid=undo-error]") == "A reason is required."
+    assert not AuditEvent.objects.filter(action="deployment.undo").exists()
+    page.fill("#undo textarea[name=reason]", "bf16 answers worse since the promotion")
+    screenshot(page, "undo-confirm")
+    page.click("button[data-action=undo]")
+    page.wait_for_selector(f"[data-testid=stable-version][data-version-id='{world.stable.pk}']")
+    assert "smollm2 is back on f32: it takes the traffic" in page.inner_text(".messages")
+    latest = page.locator("#revisions tbody tr").first
+    assert latest.get_attribute("data-source") == "undo"
+    assert "on-call" in latest.inner_text()
+    assert "bf16 answers worse since the promotion" in latest.inner_text()
+    screenshot(page, "undo-done")
+    event = AuditEvent.objects.get(action="deployment.undo")
+    assert (event.actor_name, event.reason) == ("on-call", "bf16 answers worse since the promotion")
