@@ -72,7 +72,7 @@ def test_an_agent_offering_too_little_memory_gets_no_version_and_refuses_one_sen
         )
         client = APIClient()
         client.force_login(fleet.release_manager)
-        body = client.get(f"/api/v1/deployments/{deployment.pk}/").json()
+        body = client.get(f"/api/v1/deployments/{deployment.name}/").json()
         assert [entry["message"] for entry in body["unplaced_versions"]] == [message]
         detail = client.get(f"/api/v1/versions/{version.pk}/").json()
         assert detail["footprint"]["total_bytes"] == needed

@@ -102,7 +102,7 @@ def test_no_load_when_no_agent_holds_it_and_the_reason_names_the_figures(
         "headroom 0.12 GiB); largest spare agent agent-2 offers 1.00 GiB"
     )
     assert report.unplaced == [message]
-    body = api("viewer").get(f"/api/v1/deployments/{deployment.pk}/").json()
+    body = api("viewer").get(f"/api/v1/deployments/{deployment.name}/").json()
     assert body["unplaced_versions"] == [
         {
             "version_id": candidate.pk,

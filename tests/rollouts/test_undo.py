@@ -9,7 +9,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.test import override_settings
 from django.utils import timezone
 
-from contracts.streams import CommandKind, commands_stream, parse_command
+from contracts.commands import CommandKind, commands_stream, parse_command
 from controlplane.audit.models import AuditEvent
 from controlplane.registry.models import ModelVersion, SigningKey
 from controlplane.rollouts import deployments, reconciler, transitions
