@@ -426,23 +426,11 @@ def _converge_agents(
             unplaced.append(why)
         if agent is None:
             continue
-        try:
-            fleet_services.agent_command_send(
-                actor=None,
-                agent_name=agent.name,
-                kind=CommandKind.LOAD,
-                version_id=version_id,
-                # The name tenants send: the routing table's model, which the engine
-                # checks every request against.
-                served_model_name=deployment.stable_version.model.name,
-                reason=f"reconcile {deployment.name} revision {deployment.routing_revision}",
-            )
-            report.loads.append((agent.name, version_id))
+        reason = f"reconcile {deployment.name} revision {deployment.routing_revision}"
+        if _load_send(deployment, agent, version_id, reason, report):
             in_flight.add(agent.pk)
             agent.loaded_version_id = version_id  # not spare for the next version of this pass
             agent.state = AgentState.LOADING
-        except DomainError as exc:
-            logger.warning("load not sent", extra={"agent": agent.name, "error": exc.message})
     report.unplaced = [why.message for why in unplaced]
     _unplaced_record(deployment, unplaced)
 
@@ -454,7 +442,7 @@ def _converge_agents(
             a.loaded_version_id == previous_id and a.state != AgentState.DRAINING for a in alive
         )
     ):
-        _warm_load(deployment, previous_id, alive, busy, report)
+        _warm_load(deployment, previous_id, alive, busy, placement, report)
 
     grace = settings.ROLLOUTS_DRAIN_GRACE_S
     for agent in alive:
@@ -493,25 +481,38 @@ def _warm_load(
     version_id: int,
     alive: list[Agent],
     busy: Any,
+    placement: Placement,
     report: ReconcileReport,
 ) -> None:
-    """Load the previous stable version on an idle agent. An agent still holding a version
-    nobody needs is drained first (a revoked one must stop at once, not after a load)."""
+    """Load the previous stable version on an idle agent whose memory holds it. An agent
+    still holding a version nobody needs is drained first (a revoked one must stop at
+    once, not after a load)."""
+    spare = [a for a in alive if not busy(a) and a.state == AgentState.IDLE]
+    agent, _ = placement.choose(version_id, spare)  # nothing fits: it is simply not warm
+    if agent is not None:
+        reason = f"keep {deployment.name}'s previous stable version warm"
+        _load_send(deployment, agent, version_id, reason, report)
+
+
+def _load_send(
+    deployment: Deployment, agent: Agent, version_id: int, reason: str, report: ReconcileReport
+) -> bool:
+    """Send `agent` a load of `version_id`; False (logged) when the fleet refuses it."""
     from controlplane.fleet import services as fleet_services
 
-    spare = [a for a in alive if not busy(a) and a.state == AgentState.IDLE]
-    if not spare:
-        return
-    agent = spare[0]
     try:
         fleet_services.agent_command_send(
             actor=None,
             agent_name=agent.name,
             kind=CommandKind.LOAD,
             version_id=version_id,
+            # The name tenants send: the routing table's model, which the engine checks
+            # every request against.
             served_model_name=deployment.stable_version.model.name,
-            reason=f"keep {deployment.name}'s previous stable version warm",
+            reason=reason,
         )
-        report.loads.append((agent.name, version_id))
     except DomainError as exc:
-        logger.warning("warm load not sent", extra={"agent": agent.name, "error": exc.message})
+        logger.warning("load not sent", extra={"agent": agent.name, "error": exc.message})
+        return False
+    report.loads.append((agent.name, version_id))
+    return True

@@ -313,11 +313,22 @@ def _check_candidate_deployable(rollout: Rollout) -> None:
         )
 
 
-def _require_reason(reason: str) -> str:
+# What an audited reason may hold (the audit log's and the revision history's).
+REASON_MAX_LENGTH = 2000
+
+
+def require_reason(reason: str) -> str:
+    """The reason an operator gave, stripped; refused when empty or too long."""
     reason = (reason or "").strip()
     if not reason:
         raise DomainError(
             "reason_required", "A reason is required.", fields={"reason": ["Required."]}
+        )
+    if len(reason) > REASON_MAX_LENGTH:
+        raise DomainError(
+            "reason_too_long",
+            f"A reason is at most {REASON_MAX_LENGTH} characters.",
+            fields={"reason": [f"At most {REASON_MAX_LENGTH} characters."]},
         )
     return reason
 
@@ -336,7 +347,7 @@ def transition(
 ) -> Rollout:
     """Run the transition `name` of TRANSITIONS, or refuse it and change nothing."""
     spec = TRANSITIONS[name]
-    reason = _require_reason(reason)
+    reason = require_reason(reason)
     rollout = lock(rollout_id)
     _check(rollout, spec, Expected(expected_state, expected_stage, expected_revision))
     if spec.precondition is not None:

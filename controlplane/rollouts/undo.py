@@ -23,11 +23,11 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlplane.audit.services import Actor, audit_event_record
-from controlplane.core.errors import Conflict, DomainError, NotFound
+from controlplane.core.errors import Conflict, NotFound
 from controlplane.core.events import ROLLOUTS_LIVE_GROUP, publish_event_after_commit
 from controlplane.fleet.models import Agent, AgentState
 from controlplane.registry.models import DEPLOYABLE_STATUSES, ModelVersion, VersionStatus
-from controlplane.rollouts import hooks
+from controlplane.rollouts import hooks, transitions
 from controlplane.rollouts.deployments import routing_write
 from controlplane.rollouts.models import (
     ACTIVE_STATES,
@@ -37,8 +37,6 @@ from controlplane.rollouts.models import (
     Rollout,
 )
 from controlplane.rollouts.revisions import revision_latest, revision_record
-
-REASON_MAX_LENGTH = 2000
 
 
 class Switch(StrEnum):
@@ -53,21 +51,6 @@ class UndoResult:
     deployment: Deployment
     revision: DeploymentRevision
     switch: Switch
-
-
-def _reason_check(reason: str) -> str:
-    reason = (reason or "").strip()
-    if not reason:
-        raise DomainError(
-            "reason_required", "A reason is required.", fields={"reason": ["Required."]}
-        )
-    if len(reason) > REASON_MAX_LENGTH:
-        raise DomainError(
-            "reason_too_long",
-            f"A reason is at most {REASON_MAX_LENGTH} characters.",
-            fields={"reason": [f"At most {REASON_MAX_LENGTH} characters."]},
-        )
-    return reason
 
 
 def undo_target(deployment: Deployment) -> int | None:
@@ -89,7 +72,7 @@ def is_warm(version_id: int) -> bool:
 @transaction.atomic
 def deployment_undo(*, actor: Actor, deployment_name: str, reason: str) -> UndoResult:
     """Make the previous stable version the stable one again, or refuse and change nothing."""
-    reason = _reason_check(reason)
+    reason = transitions.require_reason(reason)
     # The deployment's lock orders this against rollout_create and a promotion's commit.
     deployment = Deployment.objects.select_for_update().filter(name=deployment_name).first()
     if deployment is None:

@@ -470,78 +470,77 @@ def test_a_healthy_candidate_is_promoted_through_every_stage(stack, django_db_bl
         assert RequestSample.objects.filter(version=candidate).exists()
 
 
+def faulty_canary_rolled_back(
+    stack: Stack, candidate: Any, *, ready_s: float, before_drill: Any = None
+) -> None:
+    """A canary at 50 % whose agent then fails every request (the `faults` drill): the
+    analysis rolls it back by itself, the stable version takes everything again, and the
+    only failed client requests are those the fault failed on the canary."""
+    baseline_id = stack.stable_id()
+    traffic_start = stack.traffic.mark()
+    rollout = deployments.rollout_create(
+        actor=None,
+        deployment=stack.deployment,
+        candidate=candidate,
+        stages=[
+            {"weight": 50, "min_duration_s": 600, "min_requests": 2},
+            {"weight": 100, "min_duration_s": 2, "min_requests": 2},
+        ],
+        policy={**WIDE_POLICY, "hard_breach_window": 4, "hard_error_rate_max": 0.5},
+        reason=f"e2e: faulty candidate {candidate}",
+    )
+    wait_until(
+        lambda: stack.routed() == {baseline_id: 50, candidate.pk: 50},
+        timeout=ready_s,
+        interval=0.2,
+        message=stack.tail,
+    )
+    wait_until(
+        lambda: RequestSample.objects.filter(version=candidate, is_error=False).count() >= 2,
+        timeout=120,
+        message=stack.tail,
+    )
+    agent = Agent.objects.get(loaded_version=candidate, state="ready")
+    if before_drill is not None:
+        before_drill(agent, traffic_start)
+    api = APIClient()
+    api.force_login(stack.on_call)
+    response = api.post(
+        f"/api/v1/fleet/agents/{agent.name}/commands/",
+        {"kind": "faults", "latency_ms_per_token": 0, "error_rate": 1.0, "reason": "drill"},
+        format="json",
+    )
+    assert response.status_code == 202, response.content
+
+    rollout = wait_state(stack, rollout, {"rolled_back", "promoted", "failed"}, 120)
+    assert rollout.state == "rolled_back", rollout.state_reason
+    assert audit_actions(rollout)[-1] == ("rollout.rollback", True)  # nobody pressed it
+    assert rollout.state_reason.startswith(("hard breach", "analysis")), rollout.state_reason
+    wait_until(lambda: stack.routed() == {baseline_id: 100}, timeout=30)
+    assert Deployment.objects.get(pk=stack.deployment.pk).stable_version_id == baseline_id
+
+    # (d) The only failed requests are the ones the fault failed on the canary.
+    failed = [o for o in settle(stack, traffic_start) if not o.ok]
+    ids = [o.request_id for o in failed]
+    wait_until(
+        lambda: RequestSample.objects.filter(request_id__in=ids).count() == len(failed),
+        timeout=30,
+        message=repr(failed),
+    )
+    samples = RequestSample.objects.filter(request_id__in=ids)
+    assert {(s.version_id, s.error_code) for s in samples} == {(candidate.pk, "injected_fault")}
+    assert len(failed) >= 1
+    # Reset the drill on that agent (it is drained once nothing routes to it).
+    api.post(
+        f"/api/v1/fleet/agents/{agent.name}/commands/",
+        {"kind": "faults", "latency_ms_per_token": 0, "error_rate": 0.0, "reason": "reset"},
+        format="json",
+    )
+
+
 def test_b_a_faulty_candidate_is_rolled_back_automatically(stack, django_db_blocker) -> None:
     with django_db_blocker.unblock():
-        baseline_id = stack.stable_id()
-        candidate = stack.versions["drill"]
-        traffic_start = stack.traffic.mark()
-        rollout = deployments.rollout_create(
-            actor=None,
-            deployment=stack.deployment,
-            candidate=candidate,
-            stages=[
-                {"weight": 50, "min_duration_s": 600, "min_requests": 2},
-                {"weight": 100, "min_duration_s": 2, "min_requests": 2},
-            ],
-            policy={**WIDE_POLICY, "hard_breach_window": 4, "hard_error_rate_max": 0.5},
-            reason="e2e: faulty candidate",
-        )
-        wait_until(
-            lambda: stack.routed() == {baseline_id: 50, candidate.pk: 50},
-            timeout=READY_S,
-            interval=0.2,
-            message=stack.tail,
-        )
-        wait_until(
-            lambda: RequestSample.objects.filter(version=candidate, is_error=False).count() >= 2,
-            timeout=60,
-            message=stack.tail,
-        )
-        agent = Agent.objects.get(loaded_version=candidate, state="ready")
-        api = APIClient()
-        api.force_login(stack.on_call)
-        response = api.post(
-            f"/api/v1/fleet/agents/{agent.name}/commands/",
-            {"kind": "faults", "latency_ms_per_token": 0, "error_rate": 1.0, "reason": "drill"},
-            format="json",
-        )
-        assert response.status_code == 202, response.content
-
-        rollout = wait_state(stack, rollout, {"rolled_back", "promoted", "failed"}, 120)
-        assert rollout.state == "rolled_back", rollout.state_reason
-        actions = audit_actions(rollout)
-        assert actions[-1] == ("rollout.rollback", True)  # by the system, nobody pressed it
-        assert rollout.state_reason.startswith(("hard breach", "analysis")), rollout.state_reason
-        wait_until(lambda: stack.routed() == {baseline_id: 100}, timeout=30)
-        assert Deployment.objects.get(pk=stack.deployment.pk).stable_version_id == baseline_id
-
-        # (d) The only failed requests are the ones the fault failed on the canary.
-        outcomes = settle(stack, traffic_start)
-        failed = [o for o in outcomes if not o.ok]
-        wait_until(
-            lambda: (
-                RequestSample.objects.filter(request_id__in=[o.request_id for o in failed]).count()
-                == len(failed)
-            ),
-            timeout=30,
-            message=repr(failed),
-        )
-        by_id = {
-            s.request_id: s
-            for s in RequestSample.objects.filter(request_id__in=[o.request_id for o in failed])
-        }
-        injected = [
-            o for o in failed if by_id[o.request_id].version_id == candidate.pk and o.status >= 500
-        ]
-        other = [o for o in failed if o not in injected]
-        assert other == []
-        assert len(injected) >= 1
-        # Reset the drill on that agent (it is drained once nothing routes to it).
-        api.post(
-            f"/api/v1/fleet/agents/{agent.name}/commands/",
-            {"kind": "faults", "latency_ms_per_token": 0, "error_rate": 0.0, "reason": "reset"},
-            format="json",
-        )
+        faulty_canary_rolled_back(stack, stack.versions["drill"], ready_s=READY_S)
 
 
 def test_c_a_candidate_failing_evaluation_never_receives_traffic(stack, django_db_blocker) -> None:
@@ -747,66 +746,16 @@ def assert_usage_is_the_engines(version: Any, expected: dict[str, int]) -> None:
 def test_f_a_faulty_vllm_canary_is_rolled_back(stack, django_db_blocker) -> None:
     """Stable on our engine, canary on vLLM: the canary's fault (injected through the
     middleware the agent gives vLLM) rolls it back, as it would on our engine."""
-    with django_db_blocker.unblock():
-        baseline_id = stack.stable_id()
-        candidate = stack.versions["vllm"]
-        traffic_start = stack.traffic.mark()
-        rollout = deployments.rollout_create(
-            actor=None,
-            deployment=stack.deployment,
-            candidate=candidate,
-            stages=[
-                {"weight": 50, "min_duration_s": 600, "min_requests": 2},
-                {"weight": 100, "min_duration_s": 2, "min_requests": 2},
-            ],
-            policy={**WIDE_POLICY, "hard_breach_window": 4, "hard_error_rate_max": 0.5},
-            reason="e2e: faulty vLLM candidate",
-        )
-        wait_until(
-            lambda: stack.routed() == {baseline_id: 50, candidate.pk: 50},
-            timeout=VLLM_ROLLOUT_S,
-            interval=0.5,
-            message=stack.tail,
-        )
-        wait_until(
-            lambda: RequestSample.objects.filter(version=candidate, is_error=False).count() >= 2,
-            timeout=120,
-            message=stack.tail,
-        )
-        agent = Agent.objects.get(loaded_version=candidate, state="ready")
+    candidate = stack.versions["vllm"]
+
+    def metered_exactly(agent: Agent, traffic_start: int) -> None:
         # The tenant's streamed chats through vLLM are metered with vLLM's own counts.
         assert_usage_is_the_engines(candidate, engine_usage(agent, candidate))
         assert [o for o in stack.traffic.since(traffic_start) if not o.ok] == []
 
-        api = APIClient()
-        api.force_login(stack.on_call)
-        response = api.post(
-            f"/api/v1/fleet/agents/{agent.name}/commands/",
-            {"kind": "faults", "latency_ms_per_token": 0, "error_rate": 1.0, "reason": "drill"},
-            format="json",
-        )
-        assert response.status_code == 202, response.content
-        rollout = wait_state(stack, rollout, {"rolled_back", "promoted", "failed"}, 120)
-        assert rollout.state == "rolled_back", rollout.state_reason
-        assert audit_actions(rollout)[-1] == ("rollout.rollback", True)
-        wait_until(lambda: stack.routed() == {baseline_id: 100}, timeout=30)
-
-        # The only failed requests are the ones the fault failed on the vLLM canary.
-        outcomes = settle(stack, traffic_start)
-        failed = [o for o in outcomes if not o.ok]
-        ids = [o.request_id for o in failed]
-        wait_until(
-            lambda: RequestSample.objects.filter(request_id__in=ids).count() == len(failed),
-            timeout=30,
-            message=repr(failed),
-        )
-        samples = RequestSample.objects.filter(request_id__in=ids)
-        assert {(s.version_id, s.error_code) for s in samples} == {(candidate.pk, "injected_fault")}
-        assert len(failed) >= 1
-        api.post(
-            f"/api/v1/fleet/agents/{agent.name}/commands/",
-            {"kind": "faults", "latency_ms_per_token": 0, "error_rate": 0.0, "reason": "reset"},
-            format="json",
+    with django_db_blocker.unblock():
+        faulty_canary_rolled_back(
+            stack, candidate, ready_s=VLLM_ROLLOUT_S, before_drill=metered_exactly
         )
 
 
