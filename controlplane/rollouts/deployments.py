@@ -140,7 +140,7 @@ def rollout_create(
             fields={"candidate": [str(candidate)]},
         )
     check_deployable(candidate, field="candidate")
-    normalized_stages = stages_validate(stages)
+    normalized_stages = stages_validate(stages, model_id=candidate.model_id)
     normalized_policy = policy_validate(policy)
     if Rollout.objects.filter(deployment=deployment, state__in=ACTIVE_STATES).exists():
         raise Conflict(

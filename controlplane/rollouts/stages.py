@@ -20,8 +20,12 @@ DEFAULT_STAGES: tuple[Stage, ...] = (
 DEFAULT_POLICY: Mapping[str, Any] = MappingProxyType(analysis.AnalysisPolicy().to_dict())
 
 
-def stages_validate(stages: Sequence[Mapping[str, Any]] | None) -> list[Stage]:
-    """Normalize a stage plan; raise DomainError("invalid_stages") naming the bad stage."""
+def stages_validate(
+    stages: Sequence[Mapping[str, Any]] | None, *, model_id: int | None = None
+) -> list[Stage]:
+    """Normalize a stage plan; raise DomainError("invalid_stages") naming the bad stage. A
+    tenant a stage names must exist and, given `model_id`, be allowed that model (a stage
+    for a tenant that cannot call the model would never see a request)."""
     if stages is None:
         return [Stage(**stage) for stage in DEFAULT_STAGES]  # copies: callers may change them
     if not isinstance(stages, list | tuple) or not stages:
@@ -68,13 +72,20 @@ def stages_validate(stages: Sequence[Mapping[str, Any]] | None) -> list[Stage]:
     if named:
         from controlplane.tenants.models import Tenant
 
-        unknown_slugs = named - set(
-            Tenant.objects.filter(slug__in=named).values_list("slug", flat=True)
-        )
+        found = Tenant.objects.filter(slug__in=named)
+        unknown_slugs = named - set(found.values_list("slug", flat=True))
         if unknown_slugs:
             raise DomainError(
                 "invalid_stages", f"Unknown tenants in stages: {', '.join(sorted(unknown_slugs))}."
             )
+        if model_id is not None:
+            allowed = set(found.filter(allowed_models=model_id).values_list("slug", flat=True))
+            if named - allowed:
+                raise DomainError(
+                    "invalid_stages",
+                    "Tenants in stages not allowed this model: "
+                    f"{', '.join(sorted(named - allowed))}.",
+                )
     return normalized
 
 

@@ -252,6 +252,25 @@ def test_invalid_stage_plans_are_refused(api, deployment, versions) -> None:
     assert Rollout.objects.count() == 0
 
 
+def test_a_stage_for_a_tenant_not_allowed_the_model_is_refused(
+    api, deployment, versions, tenant
+) -> None:
+    body = {
+        "deployment": "smollm2",
+        "candidate": versions[1].pk,
+        "stages": [{"weight": 10, "tenants": ["acme"]}, {"weight": 100}],
+    }
+    response = post(api("admin"), "/api/v1/rollouts/", body)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_stages"
+    assert response.json()["error"]["message"] == (
+        "Tenants in stages not allowed this model: acme."
+    )
+    assert Rollout.objects.count() == 0
+    tenant.allowed_models.add(versions[1].model)
+    assert post(api("admin"), "/api/v1/rollouts/", body).status_code == 201
+
+
 def test_the_analysis_history_is_listed(api, deployment, versions) -> None:
     rollout = running_rollout(deployment, versions[1])
     response = api("viewer").get(f"/api/v1/rollouts/{rollout.pk}/analysis-runs/")

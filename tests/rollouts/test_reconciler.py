@@ -139,6 +139,7 @@ def test_a_tenant_scoped_stage_splits_only_the_named_tenants(
     deployment, versions, tenant, redis_client
 ) -> None:
     stable, candidate = versions
+    tenant.allowed_models.add(candidate.model)
     agent("gpu-0", stable)
     agent("gpu-1", candidate)
     stages = [
