@@ -113,7 +113,11 @@ def test_an_agent_serves_through_sglang_and_heartbeats_carry_its_figures(
             usage = answer.json()["usage"]
 
             def served() -> list[Any]:
-                return [b for b in heartbeats(redis_client, name) if b.generated_tokens_total > 0]
+                return [
+                    b
+                    for b in heartbeats(redis_client, name)
+                    if b.generated_tokens_total >= usage["completion_tokens"]
+                ]
 
             wait_until(served, timeout=30, message=lambda: logs(agent_log))
             beat = served()[-1]

@@ -192,7 +192,11 @@ def serve_through_vllm(fleet: Fleet, version: Any, live_server: Any, redis_clien
 
         # The heartbeats read vLLM's /metrics: this request, counted once, exactly.
         def served() -> list[Heartbeat]:
-            return [b for b in heartbeats(redis_client, name) if b.generated_tokens_total > 0]
+            return [
+                b
+                for b in heartbeats(redis_client, name)
+                if b.generated_tokens_total >= usage["completion_tokens"]
+            ]
 
         wait_until(served, timeout=30, message=lambda: logs(agent_log))
         beat = served()[-1]
