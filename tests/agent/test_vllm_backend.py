@@ -113,6 +113,7 @@ def heartbeats(client: Any, agent: str) -> list[Heartbeat]:
     return [beat for beat in beats if beat.agent == agent]
 
 
+@pytest.mark.timeout(VLLM_READY_S + 300)  # its start alone may take minutes
 def test_an_agent_serves_through_vllm_and_heartbeats_carry_its_figures(
     live_server, redis_client: Any, tmp_path: Path
 ) -> None:
