@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 from scipy import stats
@@ -92,18 +92,18 @@ class AnalysisPolicy:
         positive = ("ttft_p95_max_ms", "itl_p95_max_ms", "window_s", "extension_s")
         for name in positive:
             value = getattr(self, name)
-            if not _is_number(value) or value <= 0:
+            if not is_number(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         fractions = ("error_rate_max", "hard_error_rate_max", "energy_load_ratio")
         for name in fractions:
             value = getattr(self, name)
-            if not _is_number(value) or not 0 <= value <= 1:
+            if not is_number(value) or not 0 <= value <= 1:
                 raise ValueError(f"{name} must be between 0 and 1, got {value!r}")
-        if not _is_number(self.alpha) or not 0 < self.alpha < 1:
+        if not is_number(self.alpha) or not 0 < self.alpha < 1:
             raise ValueError(f"alpha must be between 0 and 1 (exclusive), got {self.alpha!r}")
         for name in ("latency_tolerance", "energy_tolerance"):
             value = getattr(self, name)
-            if not _is_number(value) or value < 0:
+            if not is_number(value) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         for name in ("min_samples", "hard_breach_window"):
             value = getattr(self, name)
@@ -369,5 +369,6 @@ def hard_breach(*, recent_errors: Sequence[bool], policy: AnalysisPolicy) -> str
     return None
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> TypeGuard[int | float]:
+    """A finite int or float (a bool is not a number here)."""
     return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
