@@ -376,6 +376,12 @@ CELERY_BEAT_SCHEDULE["rollouts-analyze"] = {
     "task": "rollouts.analyze_all",
     "schedule": float(ROLLOUTS_ANALYSIS_INTERVAL_S),
 }
+# How often deployments with an autoscaling policy are measured and scaled.
+ROLLOUTS_AUTOSCALE_INTERVAL_S = float(os.environ.get("ROLLOUTS_AUTOSCALE_INTERVAL_S", "5"))
+CELERY_BEAT_SCHEDULE["rollouts-autoscale"] = {
+    "task": "rollouts.autoscale",
+    "schedule": ROLLOUTS_AUTOSCALE_INTERVAL_S,
+}
 CELERY_BEAT_SCHEDULE["rollouts-reconcile"] = {
     "task": "rollouts.reconcile_all",
     "schedule": float(ROLLOUTS_RECONCILE_INTERVAL_S),

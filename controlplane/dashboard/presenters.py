@@ -17,6 +17,7 @@ from django.db.models import QuerySet
 from contracts.capacity import footprint_total
 from controlplane.core import access
 from controlplane.fleet.inventory import memory_offered
+from controlplane.fleet.models import Agent
 from controlplane.rollouts.analysis import AnalysisPolicy
 from controlplane.rollouts.models import ACTIVE_STATES, AnalysisRun, Rollout, RolloutState, Stage
 
@@ -174,6 +175,37 @@ def version_fits(version: Any, agents: Iterable[Any]) -> list[dict[str, Any]]:
         offered = memory_offered(agent.inventory)
         rows.append(
             {"agent": agent, "offered": offered, "is_fit": needed is not None and needed <= offered}
+        )
+    return rows
+
+
+def deployment_replicas(deployment: Any) -> list[dict[str, Any]]:
+    """Each role's version with its desired replicas, bounds and the agents serving it."""
+    rows = [
+        {
+            "role": "stable",
+            "version": deployment.stable_version,
+            "replicas": deployment.stable_replicas,
+            "minimum": deployment.stable_replicas_min,
+            "maximum": deployment.stable_replicas_max,
+        }
+    ]
+    rollout = Rollout.objects.filter(deployment=deployment, state__in=ACTIVE_STATES).first()
+    if rollout is not None and rollout.state != RolloutState.PENDING:
+        rows.append(
+            {
+                "role": "canary",
+                "version": rollout.candidate,
+                "replicas": rollout.canary_replicas,
+                "minimum": rollout.canary_replicas_min,
+                "maximum": rollout.canary_replicas_max,
+            }
+        )
+    for row in rows:
+        row["agents"] = list(
+            Agent.objects.filter(loaded_version=row["version"])
+            .order_by("name")
+            .values("name", "host", "state")
         )
     return rows
 

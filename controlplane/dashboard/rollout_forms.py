@@ -41,6 +41,7 @@ FIELD_OF_ERROR_CODE = {
     "invalid_stages": "stages",
     "invalid_policy": "policy",
 }
+REPLICA_FIELDS = (("canary_replicas_min", "Minimum"), ("canary_replicas_max", "Maximum"))
 
 
 @dataclass
@@ -141,6 +142,7 @@ class RolloutStartForm:
             self.policy = [PolicyField(name, default) for name, default in DEFAULT_POLICY.items()]
             self.required_suites: list[str] = []
             self.reason = ""
+            self.replicas = {name: "1" for name, _ in REPLICA_FIELDS}
         else:
             self.deployment = data.get("deployment", "").strip()
             self.rows = self._rows_from(data)
@@ -150,6 +152,7 @@ class RolloutStartForm:
             ]
             self.required_suites = data.getlist("required_suites")
             self.reason = data.get("reason", "").strip()
+            self.replicas = {name: data.get(name, "").strip() for name, _ in REPLICA_FIELDS}
 
     @staticmethod
     def _rows_from(data: QueryDict) -> list[StageRow]:
@@ -180,6 +183,14 @@ class RolloutStartForm:
         ]
 
     @property
+    def replica_fields(self) -> list[tuple[str, str, str, list[str]]]:
+        """(input name, label, typed value, errors) of the canary's replica bounds."""
+        return [
+            (name, label, self.replicas[name], self.errors.get(name, []))
+            for name, label in REPLICA_FIELDS
+        ]
+
+    @property
     def is_policy_changed(self) -> bool:
         return any(item.value or item.errors for item in self.policy) or "policy" in self.errors
 
@@ -192,6 +203,9 @@ class RolloutStartForm:
             "required_suites": list(self.required_suites),
             "reason": self.reason,
         }
+        for name, text in self.replicas.items():
+            if text:  # blank: the API's default; text that is no number goes as typed
+                body[name] = int(text) if text.isdigit() else text
         if self.deployment:
             body["deployment"] = self.deployment
         return body
@@ -222,7 +236,9 @@ class RolloutStartForm:
                         row_detail = {"row": row_detail}
                     for stage_field, messages in row_detail.items():
                         row.errors.setdefault(stage_field, []).extend(_messages(messages))
-            elif name in {"deployment", "stages", "policy", "required_suites", "reason"}:
+            elif name in {"deployment", "stages", "policy", "required_suites", "reason"} | set(
+                self.replicas
+            ):
                 self._add(name, _messages(detail))
             else:
                 self._add("form", _messages(detail))
@@ -237,6 +253,10 @@ class RolloutStartForm:
         return [(self.rows[index], detail[index]) for index in sorted(detail)]
 
     def _add_domain_error(self, error: DomainError) -> None:
+        named = [name for name in error.fields if name in self.replicas]
+        if error.code == "invalid_replicas" and named:
+            self._add(named[0], [error.message])
+            return
         name = FIELD_OF_ERROR_CODE.get(error.code)
         if name == "stages":
             by_index = error.fields.get("stages")

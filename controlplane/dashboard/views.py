@@ -257,6 +257,10 @@ def deployment_page(
         "undo_target": registry_selectors.version_list().filter(pk=target_id).first()
         if target_id is not None
         else None,
+        "replicas": presenters.deployment_replicas(deployment),
+        "scaling_decisions": rollout_selectors.scaling_decision_list(deployment=deployment)[
+            :REVISIONS_SHOWN
+        ],
         "may_undo": access.can_undo_deployment(request.user),
         "form": form or forms.UndoForm(),
         "undo_error": undo_error,

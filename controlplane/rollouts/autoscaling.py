@@ -19,6 +19,8 @@ from controlplane.rollouts.analysis import is_number
 ERROR_CODE = "invalid_autoscaling"
 # The longest cooldown or idle period a policy may ask for (a day, in seconds).
 MAX_PERIOD_S = 86400.0
+# A step up adds at most this many replicas, or doubles the count when that is more.
+STEP_UP_MAX = 4
 
 Direction = Literal["up", "down", "hold"]
 Role = Literal["stable", "canary"]
@@ -47,14 +49,10 @@ class AutoscalingPolicy:
     # Seconds since the last change of the replica count before the next step.
     scale_up_cooldown_s: float = 30.0
     scale_down_cooldown_s: float = 300.0
-    # A canary idle this long may go to zero replicas (its minimum is then taken as 0).
-    scale_to_zero_canary: bool = False
-    idle_to_zero_s: float = 600.0
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "scale_to_zero_canary"):
-            if not isinstance(getattr(self, name), bool):
-                raise _InvalidField(name, f"{name} must be true or false.")
+        if not isinstance(self.enabled, bool):
+            raise _InvalidField("enabled", "enabled must be true or false.")
         pairs = (
             ("queue_per_replica_low", "queue_per_replica_high", None),
             ("kv_cache_low", "kv_cache_high", 1.0),
@@ -73,7 +71,7 @@ class AutoscalingPolicy:
                 )
         if self.ttft_slo_s is not None and (not is_number(self.ttft_slo_s) or self.ttft_slo_s <= 0):
             raise _InvalidField("ttft_slo_s", "ttft_slo_s must be null or a number > 0.")
-        for name in ("scale_up_cooldown_s", "scale_down_cooldown_s", "idle_to_zero_s"):
+        for name in ("scale_up_cooldown_s", "scale_down_cooldown_s"):
             value = getattr(self, name)
             if not is_number(value) or not 0 <= value <= MAX_PERIOD_S:
                 raise _InvalidField(name, f"{name} must be a number from 0 to {MAX_PERIOD_S:g}.")
@@ -194,39 +192,28 @@ def scaling_decide(
     replicas: Sequence[ReplicaSignals],
     last_scaled_at: float | None,
     now: float,
-    idle_since: float | None = None,
 ) -> ScalingDecision:
     """The replica count one role of a deployment should have now, and why.
 
     `current` is the desired count so far (ready and loading replicas), `replicas` the
     signals of the ready ones, `last_scaled_at` when the count last changed (None:
-    never), `idle_since` since when the role has had no request (None: it has some).
+    never).
 
     In order: a disabled policy only clamps `current` into [minimum, maximum]; a count
     outside the bounds is clamped at once, whatever the cooldowns; without a ready
     replica nothing is measured and the count holds. Then the strongest high signal
     (waiting per replica, mean KV cache use, worst TTFT p95 against the SLO) scales up
-    to max(current + 1, ceil(ready * observed / high)), once the scale-up cooldown has
+    to max(current + 1, ceil(ready * observed / high)) (one step at most doubles the count
+    or adds STEP_UP_MAX), once the scale-up cooldown has
     passed; while replicas still load and they already cover that, it holds. When every
     signal is low, the count steps down by one once the scale-down cooldown has passed,
     and only if the load spread over one replica fewer stays below every high threshold
     (otherwise the step down would itself call for a step up). Between the low and high
     thresholds it holds: that band is what keeps the count from flapping.
-
-    A canary with `scale_to_zero_canary` that has been idle for `idle_to_zero_s` has a
-    minimum of 0, so it steps down to zero replicas. At zero nothing can be measured, so
-    coming back is not decided here: whoever sees requests for the canary clears
-    `idle_since`, and the minimum then clamps the count back up.
     """
     if minimum < 0 or maximum < minimum:
         raise ValueError(f"bounds must satisfy 0 <= minimum <= maximum, got {minimum}, {maximum}")
-    is_zero_allowed = (
-        role == "canary"
-        and policy.scale_to_zero_canary
-        and idle_since is not None
-        and now - idle_since >= policy.idle_to_zero_s
-    )
-    lower = 0 if policy.enabled and is_zero_allowed else minimum
+    lower = minimum
     ready = len(replicas)
     figures: dict[str, float] = {"ready": float(ready), "current": float(current)}
 
@@ -268,14 +255,18 @@ def scaling_decide(
         if since_scaled < policy.scale_up_cooldown_s:
             cooldown = _cooldown("scale-up", policy.scale_up_cooldown_s, since_scaled)
             return decide(current, f"{pressure}, but {cooldown}: holding at {current}")
-        desired = _clamp(max(current + 1, needed), lower, maximum)
-        return decide(desired, f"{pressure}: {current} -> {desired}")
+        # One step at most doubles the count or adds STEP_UP_MAX: queue and TTFT also
+        # measure the backlog piled up while replicas warmed, so they over-ask at a jump.
+        step_limit = max(2 * current, current + STEP_UP_MAX)
+        desired = _clamp(min(max(current + 1, needed), step_limit), lower, maximum)
+        capped = f" (one step adds at most {step_limit - current})" if needed > step_limit else ""
+        return decide(desired, f"{pressure}{capped}: {current} -> {desired}")
 
     if all(signal.is_low for signal in signals):
         low = ", ".join(signal.against(signal.low, "<") for signal in signals)
         pressure = f"load is low {on_replicas} ({low})"
         if current <= lower:
-            floor = "zero" if lower == 0 else f"the minimum {lower}"
+            floor = f"the minimum {lower}"
             return decide(current, f"{pressure}, already at {floor}")
         if current > 1:
             # The same load over one replica fewer must not be high, or this step down

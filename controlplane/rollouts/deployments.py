@@ -25,7 +25,7 @@ from controlplane.rollouts.models import (
     RolloutState,
 )
 from controlplane.rollouts.revisions import revision_record
-from controlplane.rollouts.stages import policy_validate, stages_validate
+from controlplane.rollouts.stages import policy_validate, replicas_validate, stages_validate
 
 
 def rollout_repr(rollout: Rollout) -> str:
@@ -81,6 +81,7 @@ def _desired_routing(deployment: Deployment, rollout: Rollout | None) -> Desired
     weight = 0
     tenants: list[str] = []
     preload = [deployment.stable_version_id]
+    replicas = {str(deployment.stable_version_id): deployment.stable_replicas}
     if rollout is not None:
         live = rollout.state == RolloutState.RUNNING or (
             rollout.state == RolloutState.PAUSED and rollout.paused_from == RolloutState.RUNNING
@@ -94,12 +95,14 @@ def _desired_routing(deployment: Deployment, rollout: Rollout | None) -> Desired
         serving_states = {RolloutState.GATING, RolloutState.RUNNING, RolloutState.PAUSED}
         if rollout.state in serving_states and rollout.candidate_id not in preload:
             preload.append(rollout.candidate_id)
+            replicas[str(rollout.candidate_id)] = rollout.canary_replicas
     return {
         "stable_version_id": deployment.stable_version_id,
         "canary_version_id": canary_id,
         "canary_weight": weight,
         "canary_tenants": tenants,
         "preload_version_ids": preload,
+        "replicas": replicas,
     }
 
 
@@ -126,7 +129,11 @@ def rollout_create(
     policy: dict[str, Any] | None = None,
     required_suites: Sequence[EvalSuite] = (),
     reason: str = "",
+    canary_replicas_min: object = 1,
+    canary_replicas_max: object = 1,
 ) -> Rollout:
+    """A pending rollout of `candidate`; its canary runs `canary_replicas_min` agents (the
+    autoscaler may add up to `canary_replicas_max`)."""
     deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
     baseline = deployment.stable_version
     if candidate.pk == baseline.pk:
@@ -142,6 +149,9 @@ def rollout_create(
     check_deployable(candidate, field="candidate")
     normalized_stages = stages_validate(stages, model_id=candidate.model_id)
     normalized_policy = policy_validate(policy)
+    replicas_min, replicas_max = replicas_validate(
+        canary_replicas_min, canary_replicas_max, field="canary_replicas"
+    )
     if Rollout.objects.filter(deployment=deployment, state__in=ACTIVE_STATES).exists():
         raise Conflict(
             "rollout_in_progress", f"Deployment {deployment.name!r} already has an active rollout."
@@ -154,6 +164,9 @@ def rollout_create(
                 candidate=candidate,
                 stages=normalized_stages,
                 policy=normalized_policy,
+                canary_replicas_min=replicas_min,
+                canary_replicas_max=replicas_max,
+                canary_replicas=replicas_min,
                 state=RolloutState.PENDING,
                 state_reason=reason,
                 created_by=acting_user(actor),
@@ -174,6 +187,7 @@ def rollout_create(
             "baseline_id": baseline.pk,
             "candidate_id": candidate.pk,
             "stages": normalized_stages,
+            "canary_replicas": [replicas_min, replicas_max],
             "required_suites": sorted(suite.name for suite in required_suites),
         },
         reason=reason,

@@ -30,6 +30,9 @@ class DesiredRouting(TypedDict):
     canary_weight: int  # 0-100
     canary_tenants: list[str]  # [] = every tenant
     preload_version_ids: list[int]  # versions an agent must serve (the candidate while gating)
+    # How many agents serve each of them: {str(version id): replicas}; absent for rows
+    # written before replicas (one each).
+    replicas: dict[str, int]
 
 
 class RolloutState(models.TextChoices):
@@ -51,12 +54,22 @@ FINAL_STATES = frozenset(
 )
 
 
+# The most replicas one version of a deployment may ask for.
+REPLICAS_LIMIT = 64
+
+
 class Deployment(models.Model):
     # The public model name tenants call (`model` in an OpenAI request).
     name = models.CharField(max_length=100, unique=True)
     stable_version = models.ForeignKey(
         "registry.ModelVersion", on_delete=models.PROTECT, related_name="stable_deployments"
     )
+    # The stable version's replicas: the autoscaler moves `stable_replicas` within the
+    # bounds (controlplane/rollouts/replicas.py); without a policy it stays at the minimum.
+    stable_replicas_min = models.PositiveSmallIntegerField(default=1)
+    stable_replicas_max = models.PositiveSmallIntegerField(default=1)
+    stable_replicas = models.PositiveSmallIntegerField(default=1)
+    autoscaling = models.JSONField(default=dict, blank=True)  # autoscaling.AutoscalingPolicy
     desired_routing = models.JSONField(default=dict)  # a DesiredRouting
     # Bumped on every change of desired_routing; the routing table carries it.
     routing_revision = models.PositiveBigIntegerField(default=0)
@@ -70,6 +83,16 @@ class Deployment(models.Model):
 
     class Meta:
         ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(stable_replicas_min__gte=1)
+                & models.Q(stable_replicas_min__lte=models.F("stable_replicas_max"))
+                & models.Q(stable_replicas_max__lte=REPLICAS_LIMIT)
+                & models.Q(stable_replicas__gte=models.F("stable_replicas_min"))
+                & models.Q(stable_replicas__lte=models.F("stable_replicas_max")),
+                name="rollouts_deployment_stable_replicas_in_bounds",
+            ),
+        ]
 
     def __str__(self) -> str:
         return self.name
@@ -139,6 +162,12 @@ class Rollout(models.Model):
     # Bumped by every transition: an expected-revision check refuses stale callers.
     revision = models.PositiveIntegerField(default=0)
     attempt = models.PositiveIntegerField(default=1)
+    # The candidate's replicas while it is loaded (gating and on); `canary_replicas` is
+    # moved by the autoscaler within the bounds, down to 0 when its policy allows an idle
+    # canary to scale to zero.
+    canary_replicas_min = models.PositiveSmallIntegerField(default=1)
+    canary_replicas_max = models.PositiveSmallIntegerField(default=1)
+    canary_replicas = models.PositiveSmallIntegerField(default=1)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
@@ -153,6 +182,13 @@ class Rollout(models.Model):
                 fields=["deployment"],
                 condition=models.Q(state__in=["pending", "gating", "running", "paused"]),
                 name="rollouts_one_active_rollout_per_deployment",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(canary_replicas_min__gte=1)
+                & models.Q(canary_replicas_min__lte=models.F("canary_replicas_max"))
+                & models.Q(canary_replicas_max__lte=REPLICAS_LIMIT)
+                & models.Q(canary_replicas__lte=models.F("canary_replicas_max")),
+                name="rollouts_rollout_canary_replicas_in_bounds",
             ),
         ]
         indexes = [models.Index(fields=["state"]), models.Index(fields=["candidate", "state"])]
@@ -183,6 +219,42 @@ class Rollout(models.Model):
             "revision": self.revision,
             "attempt": self.attempt,
         }
+
+
+class ReplicaRole(models.TextChoices):
+    STABLE = "stable", "Stable"
+    CANARY = "canary", "Canary"
+
+
+class ScalingDecision(models.Model):
+    """A change of a deployment's desired replicas: by its autoscaling policy (no actor)
+    or by an operator changing the bounds, always with the reason and the figures."""
+
+    deployment = models.ForeignKey(
+        Deployment, on_delete=models.CASCADE, related_name="scaling_decisions"
+    )
+    rollout = models.ForeignKey(
+        Rollout, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    role = models.CharField(max_length=10, choices=ReplicaRole.choices)
+    version = models.ForeignKey("registry.ModelVersion", on_delete=models.PROTECT, related_name="+")
+    previous_replicas = models.PositiveSmallIntegerField()
+    replicas = models.PositiveSmallIntegerField()
+    reason = models.TextField()
+    figures = models.JSONField(default=dict, blank=True)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [
+            models.Index(fields=["deployment", "role", "-id"], name="rollouts_scaling_latest")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.deployment_id} {self.role}: {self.previous_replicas} -> {self.replicas}"
 
 
 class Verdict(models.TextChoices):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -165,9 +165,13 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
         )
     ]
     verified = endpoints_verify(agents=serving, loads=loads, client=client)
+    serving_ids = {a.pk for a in serving}
+    needed = _needed_versions()
+    fresh = [a for a in agents if a.last_seen is not None and a.last_seen >= fresh_after]
 
     def ready_agents(version_id: int) -> list[Agent]:
-        ready = [a for a in serving if a.pk in verified and a.loaded_version_id == version_id]
+        kept = kept_replicas(fresh, version_id, needed.get(version_id, 1))
+        ready = [a for a in kept if a.pk in serving_ids and a.pk in verified]
         return sorted(ready, key=lambda agent: agent.endpoint)
 
     def ready_endpoints(version_id: int) -> list[str]:
@@ -271,7 +275,7 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
         pk=deployment.pk, applied_revision__lt=deployment.routing_revision
     ).update(applied_revision=deployment.routing_revision)
 
-    _converge_agents(deployment, desired, agents, fresh_after, client, report)
+    _converge_agents(deployment, desired, needed, agents, fresh_after, client, report)
     return report
 
 
@@ -291,7 +295,7 @@ def _previous_stable(deployment_id: int, stable_id: int) -> int | None:
     return latest.previous_version_id
 
 
-def _warm_versions(needed: set[int]) -> set[int]:
+def _warm_versions(needed: Mapping[int, int]) -> set[int]:
     """Every deployment's previous stable version while kept warm, unless needed anyway."""
     warm: set[int] = set()
     for deployment_id, stable_id in Deployment.objects.values_list("pk", "stable_version_id"):
@@ -299,22 +303,39 @@ def _warm_versions(needed: set[int]) -> set[int]:
         if previous_id is not None:
             warm.add(previous_id)
     deployable = ModelVersion.objects.filter(pk__in=warm, status__in=DEPLOYABLE_STATUSES)
-    return set(deployable.values_list("pk", flat=True)) - needed
+    return set(deployable.values_list("pk", flat=True)) - set(needed)
 
 
-def _needed_versions() -> set[int]:
-    """The versions some deployment routes to or preloads, revoked ones left out."""
-    needed: set[int] = set()
+def _needed_versions() -> dict[int, int]:
+    """The versions some deployment routes to or preloads, each with the replicas asked
+    for it (the most any deployment asks), revoked ones left out."""
+    needed: dict[int, int] = {}
     for routing in Deployment.objects.values_list("desired_routing", flat=True):
-        needed.update(routing.get("preload_version_ids") or [])
+        replicas = routing.get("replicas") or {}
+        version_ids = list(routing.get("preload_version_ids") or [])
         if routing.get("stable_version_id"):
-            needed.add(routing["stable_version_id"])
+            version_ids.append(routing["stable_version_id"])
+        for version_id in version_ids:
+            count = int(replicas.get(str(version_id), 1))
+            needed[version_id] = max(needed.get(version_id, 0), count)
     revoked = ModelVersion.objects.filter(pk__in=needed, status=VersionStatus.REVOKED)
-    return needed - set(revoked.values_list("pk", flat=True))
+    for version_id in revoked.values_list("pk", flat=True):
+        needed.pop(version_id, None)
+    return needed
+
+
+def kept_replicas(agents: Sequence[Agent], version_id: int, count: int) -> list[Agent]:
+    """The ready agents of `version_id` that stay (by name, the first `count`): the routing
+    table lists only these, and the reconciler drains the rest once the gateways dropped
+    them. Replicas beyond the count exist after a scale-down or a replacement's return."""
+    ready = [a for a in agents if a.loaded_version_id == version_id and a.state == AgentState.READY]
+    return sorted(ready, key=lambda agent: agent.name)[:count]
 
 
 def _placement(
-    alive: list[Agent], in_flight_commands: Sequence[tuple[int, str, int | None]], needed: set[int]
+    alive: list[Agent],
+    in_flight_commands: Sequence[tuple[int, str, int | None]],
+    needed: Mapping[int, int],
 ) -> Placement:
     """The fleet's memory: each live agent's loaded version and the loads sent to it."""
     engines: dict[int, set[int]] = {}
@@ -325,7 +346,7 @@ def _placement(
         if kind == CommandKind.LOAD and version_id is not None:
             engines.setdefault(agent_id, set()).add(version_id)
     version_ids = {version_id for ids in engines.values() for version_id in ids}
-    version_ids |= needed
+    version_ids |= set(needed)
     footprints = dict(
         ModelVersion.objects.filter(pk__in=version_ids).values_list("pk", "footprint")
     )
@@ -353,15 +374,16 @@ def _unplaced_record(deployment: Deployment, unplaced: list[Unplaced]) -> None:
 def _converge_agents(
     deployment: Deployment,
     desired: DesiredRouting,
+    needed: Mapping[int, int],
     agents: list[Agent],
     fresh_after: Any,
     client: redis.Redis,
     report: ReconcileReport,
 ) -> None:
-    """Load each needed version on one agent; drain agents whose version nobody needs."""
+    """Load each needed version on as many agents as its replicas (hosts spread first);
+    drain agents whose version nobody needs, and replicas beyond the count."""
     from controlplane.fleet import services as fleet_services
 
-    needed = _needed_versions()
     warm = _warm_versions(needed)
     alive = [
         a
@@ -375,18 +397,20 @@ def _converge_agents(
         ).values_list("agent_id", "kind", "version_id")
     )
     in_flight = {agent_id for agent_id, _, _ in in_flight_commands}
-    # A version whose load is under way counts as served: loading it twice would take a
-    # second agent that the next version (the canary) needs.
-    loading = {version_id for _, kind, version_id in in_flight_commands if kind == CommandKind.LOAD}
-    # A load's result can reach the database before the agent's heartbeat naming the new
-    # version does: a load that just succeeded also counts as served for a while.
-    loading.update(
-        AgentCommand.objects.filter(
-            kind=CommandKind.LOAD,
-            status=CommandStatus.SUCCEEDED,
-            finished_at__gte=timezone.now() - timedelta(seconds=settings.ROLLOUTS_AGENT_FRESH_S),
-        ).values_list("version_id", flat=True)
-    )
+    # The agents taking each version: loads under way, and loads that just succeeded (a
+    # load's result can reach the database before the agent's heartbeat naming the new
+    # version does). Loading a version twice would take an agent another version needs.
+    loading: dict[int, set[int]] = {}
+    for agent_id, kind, version_id in in_flight_commands:
+        if kind == CommandKind.LOAD and version_id is not None:
+            loading.setdefault(version_id, set()).add(agent_id)
+    just_loaded = AgentCommand.objects.filter(
+        kind=CommandKind.LOAD,
+        status=CommandStatus.SUCCEEDED,
+        finished_at__gte=timezone.now() - timedelta(seconds=settings.ROLLOUTS_AGENT_FRESH_S),
+    ).values_list("version_id", "agent_id")
+    for version_id, agent_id in just_loaded:
+        loading.setdefault(version_id, set()).add(agent_id)
 
     # An agent whose command finished within the freshness window may still be described
     # by a heartbeat sent before it: no drain is decided from that row (and every drain
@@ -405,30 +429,32 @@ def _converge_agents(
     for version_id in desired.get("preload_version_ids") or []:
         if version_id not in needed:  # revoked
             continue
-        serving = [
-            a for a in alive if a.loaded_version_id == version_id and a.state != AgentState.DRAINING
-        ]
-        if serving or version_id in loading:
-            continue
-        spare = [
-            a
+        replicas = {
+            a.pk
             for a in alive
-            if not busy(a)
-            and (a.state == AgentState.IDLE or (a.loaded_version_id not in needed))
-            and a.state != AgentState.DRAINING
-        ]
-        # A warm previous stable version gives its agent up last.
-        cold = [a for a in spare if a.loaded_version_id not in warm]
-        agent, why = placement.choose(version_id, cold)
-        if agent is None and len(cold) < len(spare):
-            agent, why = placement.choose(version_id, spare)
-        if why is not None:
-            unplaced.append(why)
-        if agent is None:
-            continue
-        reason = f"reconcile {deployment.name} revision {deployment.routing_revision}"
-        if _load_send(deployment, agent, version_id, reason, report):
+            if a.loaded_version_id == version_id and a.state != AgentState.DRAINING
+        } | loading.get(version_id, set())
+        hosts = _hosts_of(alive, replicas)
+        while len(replicas) < needed[version_id]:
+            spare = [
+                a
+                for a in alive
+                if not busy(a)
+                and a.pk not in replicas
+                and (a.state == AgentState.IDLE or (a.loaded_version_id not in needed))
+                and a.state != AgentState.DRAINING
+            ]
+            agent, why = _choose_spread(placement, version_id, spare, warm, hosts)
+            if agent is None:
+                if why is not None:
+                    unplaced.append(why)
+                break
+            reason = f"reconcile {deployment.name} revision {deployment.routing_revision}"
+            if not _load_send(deployment, agent, version_id, reason, report):
+                break
             in_flight.add(agent.pk)
+            replicas.add(agent.pk)
+            hosts[agent.host] = hosts.get(agent.host, 0) + 1
             agent.loaded_version_id = version_id  # not spare for the next version of this pass
             agent.state = AgentState.LOADING
     report.unplaced = [why.message for why in unplaced]
@@ -444,6 +470,12 @@ def _converge_agents(
     ):
         _warm_load(deployment, previous_id, alive, busy, placement, report)
 
+    # Each version's replicas that stay; an agent serving a version beyond them is retired.
+    kept = {
+        agent.pk
+        for version_id in {*needed, *warm}
+        for agent in kept_replicas(alive, version_id, needed.get(version_id, 1))
+    }
     grace = settings.ROLLOUTS_DRAIN_GRACE_S
     for agent in alive:
         if (
@@ -454,7 +486,7 @@ def _converge_agents(
         ):
             continue
         retire_key = f"rollouts:retire:{agent.name}:{agent.loaded_version_id}"
-        if agent.loaded_version_id in needed or agent.loaded_version_id in warm:
+        if agent.pk in kept:
             client.delete(retire_key)
             continue
         # First seen unneeded now; drained after the gateways have dropped it from their tables.
@@ -462,18 +494,51 @@ def _converge_agents(
         since = float(client.get(retire_key) or time.time())
         if time.time() - since < grace:
             continue
+        surplus = agent.loaded_version_id in needed or agent.loaded_version_id in warm
         try:
             fleet_services.agent_command_send(
                 actor=None,
                 agent_name=agent.name,
                 kind=CommandKind.DRAIN,
                 version_id=agent.loaded_version_id,
-                reason=f"version {agent.loaded_version_id} is no longer routed",
+                reason=f"version {agent.loaded_version_id} has more replicas than asked"
+                if surplus
+                else f"version {agent.loaded_version_id} is no longer routed",
             )
             report.drains.append(agent.name)
             client.delete(retire_key)
         except DomainError as exc:
             logger.warning("drain not sent", extra={"agent": agent.name, "error": exc.message})
+
+
+def _hosts_of(alive: Sequence[Agent], agent_ids: set[int]) -> dict[str, int]:
+    """How many of `agent_ids` run on each host."""
+    hosts: dict[str, int] = {}
+    for agent in alive:
+        if agent.pk in agent_ids:
+            hosts[agent.host] = hosts.get(agent.host, 0) + 1
+    return hosts
+
+
+def _choose_spread(
+    placement: Placement,
+    version_id: int,
+    spare: list[Agent],
+    warm: set[int],
+    hosts: Mapping[str, int],
+) -> tuple[Agent | None, Unplaced | None]:
+    """A spare agent for one more replica of `version_id` where it fits: on the hosts with
+    fewest of its replicas first, and an agent keeping a previous stable version warm
+    last. The reason, when none fits, is the one for every spare agent."""
+    cold = [a for a in spare if a.loaded_version_id not in warm]
+    for group in (cold, spare):
+        for count in sorted({hosts.get(a.host, 0) for a in group}):
+            agent, _ = placement.choose(
+                version_id, [a for a in group if hosts.get(a.host, 0) == count]
+            )
+            if agent is not None:
+                return agent, None
+    return placement.choose(version_id, spare)
 
 
 def _warm_load(

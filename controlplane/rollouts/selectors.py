@@ -13,6 +13,7 @@ from controlplane.rollouts.models import (
     Deployment,
     DeploymentRevision,
     Rollout,
+    ScalingDecision,
     WebhookDelivery,
     WebhookEndpoint,
 )
@@ -27,6 +28,13 @@ def deployment_revision_list(*, deployment: Deployment) -> QuerySet[DeploymentRe
     """The deployment's stable versions, newest first."""
     return DeploymentRevision.objects.filter(deployment=deployment).select_related(
         "version", "previous_version", "rollout__created_by"
+    )
+
+
+def scaling_decision_list(*, deployment: Deployment) -> QuerySet[ScalingDecision]:
+    """The deployment's changes of desired replicas, newest first."""
+    return ScalingDecision.objects.filter(deployment=deployment).select_related(
+        "deployment", "actor"
     )
 
 

@@ -11,6 +11,7 @@ from controlplane.rollouts.models import (
     DeploymentRevision,
     Rollout,
     RolloutState,
+    ScalingDecision,
     WebhookDelivery,
     WebhookEndpoint,
 )
@@ -40,6 +41,10 @@ class DeploymentSerializer(serializers.ModelSerializer):
             "routing_revision",
             "applied_revision",
             "unplaced_versions",
+            "stable_replicas_min",
+            "stable_replicas_max",
+            "stable_replicas",
+            "autoscaling",
             "created_at",
             "updated_at",
         ]
@@ -49,6 +54,45 @@ class DeploymentCreateSerializer(StrictSerializer):
     name = serializers.CharField(max_length=100)
     stable_version = serializers.PrimaryKeyRelatedField(queryset=ModelVersion.objects.all())
     reason = serializers.CharField(required=False, allow_blank=True, default="")
+
+
+class ReplicasSerializer(StrictSerializer):
+    """The stable version's replica bounds (checked by the service: invalid_replicas,
+    invalid_autoscaling, reason_required)."""
+
+    stable_replicas_min = serializers.JSONField(help_text="1 to 64.")
+    stable_replicas_max = serializers.JSONField(help_text="stable_replicas_min to 64.")
+    autoscaling = serializers.JSONField(
+        required=False,
+        default=None,
+        help_text="The autoscaling policy (docs/autoscaling.md); omitted: unchanged.",
+    )
+    reason = serializers.CharField(
+        required=False, allow_blank=True, default="", trim_whitespace=False
+    )
+
+
+class ScalingDecisionSerializer(serializers.ModelSerializer):
+    """A change of desired replicas: by the autoscaler (actor null) or an operator."""
+
+    deployment = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    actor = serializers.SlugRelatedField(slug_field="username", read_only=True)
+
+    class Meta:
+        model = ScalingDecision
+        fields = [
+            "id",
+            "deployment",
+            "rollout",
+            "role",
+            "version",
+            "previous_replicas",
+            "replicas",
+            "reason",
+            "figures",
+            "actor",
+            "created_at",
+        ]
 
 
 class DeploymentRevisionSerializer(serializers.ModelSerializer):
@@ -117,6 +161,9 @@ class RolloutSerializer(serializers.ModelSerializer):
             "gate_reasons",
             "revision",
             "attempt",
+            "canary_replicas_min",
+            "canary_replicas_max",
+            "canary_replicas",
             "created_by",
             "created_at",
             "updated_at",
@@ -156,6 +203,14 @@ class RolloutCreateSerializer(StrictSerializer):
         slug_field="name", queryset=EvalSuite.objects.all(), many=True, required=False, default=list
     )
     reason = serializers.CharField(required=False, allow_blank=True, default="")
+    canary_replicas_min = serializers.JSONField(
+        required=False, default=1, help_text="Agents serving the candidate (1 to 64)."
+    )
+    canary_replicas_max = serializers.JSONField(
+        required=False,
+        default=1,
+        help_text="At most this many when the deployment's autoscaling adds some.",
+    )
 
     def service_arguments(self) -> dict[str, Any]:
         """The validated body as `deployments.rollout_create`'s keyword arguments."""
@@ -168,6 +223,8 @@ class RolloutCreateSerializer(StrictSerializer):
             "policy": data["policy"],
             "required_suites": data["required_suites"],
             "reason": data["reason"],
+            "canary_replicas_min": data["canary_replicas_min"],
+            "canary_replicas_max": data["canary_replicas_max"],
         }
 
 

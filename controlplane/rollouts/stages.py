@@ -8,7 +8,7 @@ from typing import Any
 
 from controlplane.core.errors import DomainError
 from controlplane.rollouts import analysis
-from controlplane.rollouts.models import Rollout, Stage
+from controlplane.rollouts.models import REPLICAS_LIMIT, Rollout, Stage
 
 DEFAULT_STAGES: tuple[Stage, ...] = (
     {"weight": 5, "min_duration_s": 60, "min_requests": 50, "tenants": []},
@@ -98,3 +98,27 @@ def policy_validate(policy: dict[str, Any] | None) -> dict[str, Any]:
 
 def rollout_policy(rollout: Rollout) -> analysis.AnalysisPolicy:
     return analysis.AnalysisPolicy.from_dict(rollout.policy)
+
+
+def replicas_validate(minimum: object, maximum: object, *, field: str) -> tuple[int, int]:
+    """(min, max) as integers with 1 <= min <= max <= REPLICAS_LIMIT, else invalid_replicas
+    naming `field`_min / `field`_max."""
+    for name, value in ((f"{field}_min", minimum), (f"{field}_max", maximum)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise DomainError(
+                "invalid_replicas", f"{name} must be an integer.", fields={name: [repr(value)]}
+            )
+        if not 1 <= value <= REPLICAS_LIMIT:
+            raise DomainError(
+                "invalid_replicas",
+                f"{name} must be between 1 and {REPLICAS_LIMIT}.",
+                fields={name: [str(value)]},
+            )
+    assert isinstance(minimum, int) and isinstance(maximum, int)
+    if minimum > maximum:
+        raise DomainError(
+            "invalid_replicas",
+            f"{field}_min ({minimum}) is more than {field}_max ({maximum}).",
+            fields={f"{field}_min": [str(minimum)], f"{field}_max": [str(maximum)]},
+        )
+    return minimum, maximum

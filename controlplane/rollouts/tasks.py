@@ -1,6 +1,7 @@
 """Celery tasks: thin, id-only, idempotent. Each fetches by id and calls one domain function.
 
 - `rollouts.reconcile` / `rollouts.reconcile_all`: routing and agents match the database.
+- `rollouts.autoscale` (beat): deployments with an autoscaling policy scale their replicas.
 - `rollouts.gate`: pending -> gating -> running once required evaluations pass; enqueues
   `rollouts.evaluate` for each required suite the candidate has no result for (and
   `rollouts.evaluate_energy` follows it when the suite asks for joules per token).
@@ -25,6 +26,7 @@ from controlplane.rollouts import (
     evaluation_jobs,
     hooks,
     reconciler,
+    scaling,
     transitions,
     webhooks,
 )
@@ -66,6 +68,12 @@ def reconcile_deployment(deployment_id: int) -> None:
 def reconcile_all() -> None:
     for deployment_id in Deployment.objects.values_list("pk", flat=True):
         reconcile_deployment.delay(deployment_id)
+
+
+@shared_task(name="rollouts.autoscale", **TASK_OPTIONS)
+def autoscale() -> None:
+    """One autoscaling pass; a change writes the desired routing and asks for a reconcile."""
+    scaling.autoscale_all()
 
 
 @shared_task(name=hooks.GATE_TASK, **TASK_OPTIONS)

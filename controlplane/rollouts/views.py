@@ -17,14 +17,17 @@ from rest_framework.response import Response
 from controlplane.core import access
 from controlplane.core.permissions import allows, allows_by_method
 from controlplane.rollouts import deployments, selectors, transitions, webhooks
+from controlplane.rollouts.replicas import deployment_replicas_set
 from controlplane.rollouts.serializers import (
     AnalysisRunSerializer,
     DeploymentCreateSerializer,
     DeploymentRevisionSerializer,
     DeploymentSerializer,
     PromoteSerializer,
+    ReplicasSerializer,
     RolloutCreateSerializer,
     RolloutSerializer,
+    ScalingDecisionSerializer,
     TransitionSerializer,
     UndoResultSerializer,
     UndoSerializer,
@@ -91,6 +94,43 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
         deployment = self.get_object()
         page = self.paginate_queryset(selectors.deployment_revision_list(deployment=deployment))
         return self.get_paginated_response(DeploymentRevisionSerializer(page, many=True).data)
+
+    @extend_schema(
+        request=ReplicasSerializer,
+        responses={
+            200: DeploymentSerializer,
+            400: OpenApiResponse(
+                description="invalid_replicas, invalid_autoscaling, reason_required,"
+                " reason_too_long"
+            ),
+        },
+    )
+    @action(detail=True, methods=["post"])
+    def replicas(self, request: Request, name: str) -> Response:
+        """Set the stable version's replica bounds and, optionally, its autoscaling policy."""
+        deployment = self.get_object()
+        serializer = ReplicasSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        deployment_replicas_set(
+            actor=request.user,
+            deployment=deployment,
+            stable_min=data["stable_replicas_min"],
+            stable_max=data["stable_replicas_max"],
+            autoscaling=data["autoscaling"],
+            reason=data["reason"],
+        )
+        return Response(
+            DeploymentSerializer(selectors.deployment_list().get(pk=deployment.pk)).data
+        )
+
+    @extend_schema(responses={200: ScalingDecisionSerializer(many=True)})
+    @action(detail=True, methods=["get"], url_path="scaling-decisions")
+    def scaling_decisions(self, request: Request, name: str) -> Response:
+        """Every change of desired replicas, with its reason and figures, newest first."""
+        deployment = self.get_object()
+        page = self.paginate_queryset(selectors.scaling_decision_list(deployment=deployment))
+        return self.get_paginated_response(ScalingDecisionSerializer(page, many=True).data)
 
 
 class RolloutViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):

@@ -5,7 +5,7 @@ import pytest
 
 from controlplane.audit.models import AuditEvent
 from controlplane.core.roles import Role
-from controlplane.rollouts import transitions
+from controlplane.rollouts import replicas, transitions
 from controlplane.rollouts.models import Deployment, DeploymentRevision
 from tests.dashboard.conftest import STAFF_ROLES
 
@@ -84,3 +84,17 @@ def test_undo_requires_a_csrf_token(world, client_for) -> None:
     client = client_for(Role.ON_CALL, enforce_csrf_checks=True)
     assert client.post(UNDO, {"reason": "undo"}).status_code == 403
     assert unchanged(world) == before
+
+
+def test_the_page_shows_replicas_and_each_scaling_decision(world, client_for) -> None:
+    replicas.deployment_replicas_set(
+        actor=world.users[Role.RELEASE_MANAGER],
+        deployment=world.deployment,
+        stable_min=2,
+        stable_max=3,
+        reason="peak hours",
+    )
+    html = client_for(Role.VIEWER).get(PAGE).content.decode()
+    assert 'data-role="stable"' in html and 'data-role="canary"' in html
+    assert '<td data-testid="desired-replicas">2</td>' in html
+    assert "bounds set to 2..3: peak hours" in html

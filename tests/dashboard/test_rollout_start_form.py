@@ -291,3 +291,28 @@ def test_a_version_that_cannot_be_deployed_gets_no_form(world, batch, client_for
     assert response.status_code == 400
     assert _counts() == before
     assert 'data-testid="rollout-not-deployable"' in response.content.decode()
+
+
+def test_canary_replicas_go_with_the_plan_and_a_bad_count_is_shown_by_its_field(
+    world, batch, client_for
+) -> None:
+    client = client_for(Role.RELEASE_MANAGER)
+    before = _counts()
+    refused = client.post(
+        _url(world), _plan(canary_replicas_min="3", canary_replicas_max="2")
+    ).content.decode()
+    assert _errors(refused, "canary_replicas_min") == [
+        "canary_replicas_min (3) is more than canary_replicas_max (2)."
+    ]
+    assert 'name="canary_replicas_min" value="3"' in refused  # what was typed is kept
+    assert _counts() == before
+    not_a_number = client.post(_url(world), _plan(canary_replicas_max="two")).content.decode()
+    assert _errors(not_a_number, "canary_replicas_max") == [
+        "canary_replicas_max must be an integer."
+    ]
+
+    response = client.post(_url(world), _plan(canary_replicas_min="2", canary_replicas_max="4"))
+    assert response.status_code == 302
+    rollout = Rollout.objects.get(deployment=batch)
+    assert (rollout.canary_replicas_min, rollout.canary_replicas_max) == (2, 4)
+    assert rollout.canary_replicas == 2

@@ -54,6 +54,7 @@ def test_a_rollout_walks_every_stage_to_promoted(api, deployment, versions) -> N
         "canary_weight": 0,
         "canary_tenants": [],
         "preload_version_ids": [versions[1].pk],
+        "replicas": {str(versions[1].pk): 1},
     }
     assert rollout_actions(rollout_id) == [
         "rollout.create",

@@ -73,8 +73,6 @@ def test_policy_defaults() -> None:
         "ttft_slo_s": None,
         "scale_up_cooldown_s": 30.0,
         "scale_down_cooldown_s": 300.0,
-        "scale_to_zero_canary": False,
-        "idle_to_zero_s": 600.0,
     }
 
 
@@ -86,7 +84,7 @@ def test_policy_overrides_and_round_trip() -> None:
         DEFAULT_AUTOSCALING, enabled=True, ttft_slo_s=2, kv_cache_high=1, scale_up_cooldown_s=0
     )
     assert autoscaling_policy_validate(policy.to_dict()) == policy
-    longest = {"scale_down_cooldown_s": 86400, "idle_to_zero_s": 86400.0}
+    longest = {"scale_down_cooldown_s": 86400, "scale_up_cooldown_s": 86400.0}
     assert autoscaling_policy_validate(longest).scale_down_cooldown_s == 86400
 
 
@@ -95,7 +93,6 @@ def test_policy_overrides_and_round_trip() -> None:
     [
         ({"enabled": 1}, "enabled"),
         ({"enabled": "true"}, "enabled"),
-        ({"scale_to_zero_canary": None}, "scale_to_zero_canary"),
         ({"queue_per_replica_high": 0}, "queue_per_replica_high"),
         ({"queue_per_replica_high": "4"}, "queue_per_replica_high"),
         ({"queue_per_replica_high": True}, "queue_per_replica_high"),
@@ -111,7 +108,6 @@ def test_policy_overrides_and_round_trip() -> None:
         ({"ttft_slo_s": math.inf}, "ttft_slo_s"),
         ({"scale_up_cooldown_s": -1}, "scale_up_cooldown_s"),
         ({"scale_down_cooldown_s": 86401}, "scale_down_cooldown_s"),
-        ({"idle_to_zero_s": None}, "idle_to_zero_s"),
     ],
 )
 def test_policy_refusal_names_its_field(data: dict[str, Any], field_name: str) -> None:
@@ -242,11 +238,20 @@ def test_kv_cache_scales_up() -> None:
 
 def test_strongest_signal_sets_the_count() -> None:
     policy = replace(ON, ttft_slo_s=1.0)
-    slow = [signals(waiting=5, ttft_p95_s=0.4)] * 3 + [signals(waiting=5, ttft_p95_s=2.5)]
+    slow = [signals(waiting=5, ttft_p95_s=0.4)] * 3 + [signals(waiting=5, ttft_p95_s=1.5)]
     decision = decide(policy=policy, replicas=slow)
-    assert decision.desired == 10
-    assert decision.reason == "worst TTFT p95 2.5 s > 1.0 s on 4 replicas: 4 -> 10"
-    assert decision.figures["ttft_p95_worst_s"] == 2.5
+    assert decision.desired == 6
+    assert decision.reason == "worst TTFT p95 1.5 s > 1.0 s on 4 replicas: 4 -> 6"
+    assert decision.figures["ttft_p95_worst_s"] == 1.5
+
+
+def test_one_step_up_at_most_doubles_the_count_or_adds_four() -> None:
+    decision = decide(current=2, replicas=[signals(waiting=40)] * 2)
+    assert decision.desired == 6  # 20 asked for: 2 + 4
+    assert decision.reason == (
+        "waiting 40.0 per replica > 4.0 on 2 replicas (one step adds at most 4): 2 -> 6"
+    )
+    assert decide(current=6, maximum=64, replicas=[signals(waiting=40)] * 6).desired == 12
 
 
 def test_ttft_without_slo_is_no_signal() -> None:
@@ -255,7 +260,7 @@ def test_ttft_without_slo_is_no_signal() -> None:
 
 
 def test_scale_up_stops_at_the_maximum() -> None:
-    decision = decide(replicas=[signals(waiting=100)] * 4)
+    decision = decide(current=8, replicas=[signals(waiting=100)] * 8)
     assert decision.desired == 10
     at_maximum = decide(current=10, replicas=[signals(waiting=100)] * 10)
     assert (at_maximum.desired, at_maximum.direction) == (10, "hold")
@@ -338,24 +343,6 @@ def test_step_down_that_would_be_high_holds() -> None:
     assert decision.reason.endswith(
         "but on 1 replica it would be mean KV cache use 0.9 > 0.85: holding at 2"
     )
-
-
-def test_idle_canary_scales_to_zero() -> None:
-    policy = replace(ON, scale_to_zero_canary=True)
-    idle = {"policy": policy, "role": "canary", "current": 1, "minimum": 1, "replicas": [IDLE]}
-    gone = decide(**idle, idle_since=NOW - 600)
-    assert (gone.desired, gone.direction) == (0, "down")
-    assert gone.reason.endswith(": 1 -> 0")
-    not_yet = decide(**idle, idle_since=NOW - 599)
-    assert (not_yet.desired, not_yet.direction) == (1, "hold")
-    assert decide(**idle | {"role": "stable"}, idle_since=NOW - 600).desired == 1
-    assert decide(**idle | {"policy": ON}, idle_since=NOW - 600).desired == 1
-    assert decide(**idle | {"policy": DEFAULT_AUTOSCALING}, idle_since=NOW - 600).desired == 1
-    # At zero nothing is measured; once requests arrive (not idle), the minimum brings it back.
-    at_zero = decide(**idle | {"current": 0, "replicas": []}, idle_since=NOW - 900)
-    assert (at_zero.desired, at_zero.direction) == (0, "hold")
-    back = decide(**idle | {"current": 0, "replicas": []}, idle_since=None)
-    assert (back.desired, back.direction) == (1, "up")
 
 
 def test_bounds_must_be_ordered() -> None:

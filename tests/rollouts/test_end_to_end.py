@@ -1,6 +1,6 @@
 """Rollouts end to end, nothing mocked.
 
-One set of processes serves the whole module: two agents (`python -m agent --threads 1`,
+One set of processes serves the whole module: three agents (`python -m agent --threads 1`,
 each running the real engine on SmolLM2-135M, or vLLM's CPU build for the vLLM
 candidate), a Celery worker and beat on this run's
 queue (analysis and reconcile every second), `manage.py ingest`, the gateway
@@ -21,6 +21,8 @@ request), not about which precision is faster.
 
 import itertools
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -45,7 +47,7 @@ from controlplane.fleet.engine_secrets import engine_secrets_payload
 from controlplane.fleet.models import Agent, AgentCommand
 from controlplane.registry import services as registry_services
 from controlplane.registry.models import EvalKind, EvalSuite, Evaluation, Model, SigningKey
-from controlplane.rollouts import deployments, transitions, undo
+from controlplane.rollouts import deployments, replicas, transitions, undo
 from controlplane.rollouts.models import ACTIVE_STATES, AnalysisRun, Deployment, Rollout
 from controlplane.telemetry.models import RequestSample
 from controlplane.tenants.services import api_key_create, tenant_create
@@ -120,6 +122,7 @@ class Outcome:
     request_id: str = ""
     status: int = 0
     detail: str = ""
+    started: float = 0.0  # time.monotonic() when the client sent it
 
 
 @dataclass
@@ -137,6 +140,7 @@ class Traffic:
             base_url=f"{self.url}/v1", api_key=self.key, max_retries=0, timeout=120
         )
         while not self.stop.is_set():
+            started = time.monotonic()
             try:
                 stream = client.chat.completions.create(**TRAFFIC_REQUEST, stream=True)
                 text = "".join(
@@ -152,6 +156,7 @@ class Traffic:
                 )
             except openai.APIError as exc:
                 outcome = Outcome(ok=False, detail=f"{type(exc).__name__}: {exc}"[:200])
+            outcome.started = started
             with self.lock:
                 self.outcomes.append(outcome)
 
@@ -208,6 +213,7 @@ class Stack:
     on_call: Any
     logs: list[Path]
     release_manager: Any
+    agents: dict[str, Any] = field(default_factory=dict)  # name -> its process
 
     def tail(self) -> str:
         return "\n".join(
@@ -292,11 +298,13 @@ def stack(committed_db, django_db_blocker, tmp_path_factory) -> Iterator[Stack]:
             )
             processes.append(gateway.process)
             logs.append(gateway.log)
-            for name in ("agent-1", "agent-2"):
+            agents = {}
+            for name in ("agent-1", "agent-2", "agent-3"):
                 args = agent_args(name, free_port_pair(), settings.REDIS_URL, gateway.url, Holder())
                 # vLLM takes minutes to start here, and this much memory for its KV cache (GiB).
                 args += ["--engine-ready-timeout", str(VLLM_READY_S)]
                 start(name, args, VLLM_CPU_KVCACHE_SPACE="1")
+                agents[name] = processes[-1]
 
             deployment = deployments.deployment_create(
                 actor=None, name=DEPLOYMENT, stable_version=versions["f32"]
@@ -316,7 +324,16 @@ def stack(committed_db, django_db_blocker, tmp_path_factory) -> Iterator[Stack]:
             if VLLM_PYTHON.exists():
                 versions["vllm"] = vllm_version(model, signer, tmp, VLLM_CONFIG, VLLM_ROLLOUT_ARGS)
             stack = Stack(
-                tmp, versions, deployment, traffic, monitor, client, on_call, logs, release_manager
+                tmp,
+                versions,
+                deployment,
+                traffic,
+                monitor,
+                client,
+                on_call,
+                logs,
+                release_manager,
+                agents,
             )
             wait_until(
                 lambda: (
@@ -710,6 +727,100 @@ def test_e_undo_puts_the_previous_stable_back_within_seconds(stack, django_db_bl
             message=stack.tail,
         )
         assert [o for o in settle(stack, traffic_start) if not o.ok] == []
+
+
+def stable_endpoints(stack: Stack) -> tuple[str, ...]:
+    published = stack.redis.get(routing_key(DEPLOYMENT))
+    assert published is not None
+    table = parse_routing_table(published)
+    stable_id = stack.stable_id()
+    return next((v.endpoints for v in table.versions if v.version_id == stable_id), ())
+
+
+def kill_host(agent_process: Any, endpoint: str) -> None:
+    """A lost host: the agent and its engine (found by its port) killed at once."""
+    port = endpoint.rsplit(":", 1)[1].encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--port" in args and args[args.index(b"--port") + 1 : args.index(b"--port") + 2] == [
+            port
+        ]:
+            os.kill(int(proc.name), signal.SIGKILL)
+    os.killpg(agent_process.pid, signal.SIGKILL)
+    agent_process.wait(timeout=10)
+
+
+def test_h_two_stable_replicas_share_the_traffic_and_a_lost_one_is_replaced(
+    stack, django_db_blocker
+) -> None:
+    with django_db_blocker.unblock():
+        stable_id = stack.stable_id()
+        deployment = Deployment.objects.get(pk=stack.deployment.pk)
+        replicas.deployment_replicas_set(
+            actor=stack.release_manager,
+            deployment=deployment,
+            stable_min=2,
+            stable_max=2,
+            reason="e2e: two replicas",
+        )
+        try:
+            wait_until(
+                lambda: len(stable_endpoints(stack)) == 2,
+                timeout=READY_S,
+                interval=0.2,
+                message=stack.tail,
+            )
+            both = set(stable_endpoints(stack))
+            since = timezone.now()
+
+            def served_by() -> set[str]:
+                rows = RequestSample.objects.filter(
+                    version_id=stable_id, finished_at__gt=since, is_error=False
+                )
+                return set(rows.values_list("agent", flat=True))
+
+            wait_until(lambda: served_by() == both, timeout=60, message=stack.tail)
+
+            victim = Agent.objects.get(endpoint=sorted(both)[0])
+            traffic_start = stack.traffic.mark()
+            killed_wall, killed = timezone.now(), time.monotonic()
+            kill_host(stack.agents[victim.name], victim.endpoint)
+
+            def replacement_sent() -> bool:
+                loads = AgentCommand.objects.filter(
+                    kind="load", version_id=stable_id, created_at__gt=killed_wall
+                )
+                return loads.exclude(agent=victim).exists()
+
+            # The load goes to a spare agent within seconds: the agent is seen lost after
+            # ROLLOUTS_AGENT_FRESH_S (5 s) and the reconciler runs every second.
+            wait_until(replacement_sent, timeout=15, interval=0.2, message=stack.tail)
+            wait_until(
+                lambda: (
+                    len(stable_endpoints(stack)) == 2
+                    and victim.endpoint not in stable_endpoints(stack)
+                ),
+                timeout=READY_S,
+                interval=0.2,
+                message=stack.tail,
+            )
+            outcomes = settle(stack, traffic_start)
+            # Only a request already under way on the lost host may fail with it.
+            late = [o for o in outcomes if not o.ok and o.started >= killed]
+            assert late == [], late
+        finally:
+            replicas.deployment_replicas_set(
+                actor=stack.release_manager,
+                deployment=Deployment.objects.get(pk=stack.deployment.pk),
+                stable_min=1,
+                stable_max=1,
+                reason="e2e: back to one replica",
+            )
 
 
 def engine_usage(agent: Agent, version: Any) -> dict[str, int]:

@@ -213,6 +213,9 @@ def test_each_endpoint_carries_its_engines_serving_secret_and_never_the_admin_on
     deployment, versions, redis_client
 ) -> None:
     stable, candidate = versions
+    Deployment.objects.filter(pk=deployment.pk).update(
+        desired_routing={**deployment.desired_routing, "replicas": {str(stable.pk): 2}}
+    )
     gpu0 = agent("gpu-0", stable)
     gpu1 = agent("gpu-1", stable)
     first = AgentCommand.objects.get(agent=gpu0)

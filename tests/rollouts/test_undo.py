@@ -106,6 +106,7 @@ def test_undo_switches_routing_and_is_audited(api, deployment, versions) -> None
         "canary_weight": 0,
         "canary_tenants": [],
         "preload_version_ids": [stable.pk],
+        "replicas": {str(stable.pk): 1},
     }
     revision = DeploymentRevision.objects.filter(deployment=deployment).first()
     assert revision is not None
