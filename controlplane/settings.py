@@ -359,6 +359,8 @@ ROLLOUTS_RECONCILE_LOCK_S = 30
 ROLLOUTS_AGENT_FRESH_S = float(os.environ.get("ROLLOUTS_AGENT_FRESH_S", "5"))
 # A load or drain command not finished after this long is sent again.
 ROLLOUTS_COMMAND_WAIT_S = float(os.environ.get("ROLLOUTS_COMMAND_WAIT_S", "300"))
+# A spare agent whose load of a version failed is tried last for that version this long.
+ROLLOUTS_LOAD_FAILED_AVOID_S = float(os.environ.get("ROLLOUTS_LOAD_FAILED_AVOID_S", "120"))
 # An agent whose version nobody routes to is drained after this grace period.
 ROLLOUTS_DRAIN_GRACE_S = float(os.environ.get("ROLLOUTS_DRAIN_GRACE_S", "10"))
 # After a promotion (or an undo) the version it replaced stays loaded on a spare agent,

@@ -424,6 +424,17 @@ def _converge_agents(
     def busy(agent: Agent) -> bool:
         return agent.pk in in_flight or agent.state in {AgentState.LOADING, AgentState.WARMING}
 
+    # (agent, version) whose load failed lately: another spare agent is tried first (the
+    # same engine failing on the same agent would fail again, and hold the replica back).
+    failed_loads = set(
+        AgentCommand.objects.filter(
+            kind=CommandKind.LOAD,
+            status__in=(CommandStatus.FAILED, CommandStatus.REJECTED),
+            finished_at__gte=timezone.now()
+            - timedelta(seconds=settings.ROLLOUTS_LOAD_FAILED_AVOID_S),
+        ).values_list("agent_id", "version_id")
+    )
+
     placement = _placement(alive, in_flight_commands, needed)
     unplaced: list[Unplaced] = []
     for version_id in desired.get("preload_version_ids") or []:
@@ -444,7 +455,10 @@ def _converge_agents(
                 and (a.state == AgentState.IDLE or (a.loaded_version_id not in needed))
                 and a.state != AgentState.DRAINING
             ]
-            agent, why = _choose_spread(placement, version_id, spare, warm, hosts)
+            untried = [a for a in spare if (a.pk, version_id) not in failed_loads]
+            agent, why = _choose_spread(placement, version_id, untried, warm, hosts)
+            if agent is None and len(untried) < len(spare):
+                agent, why = _choose_spread(placement, version_id, spare, warm, hosts)
             if agent is None:
                 if why is not None:
                     unplaced.append(why)

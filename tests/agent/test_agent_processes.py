@@ -7,6 +7,7 @@ Each test starts its own processes; nothing here is mocked.
 import importlib.util
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -60,19 +61,30 @@ SERVING_CONFIG = {
 ENGINE_READY_S = 180  # loading and warming the real model on a busy 2-core machine
 
 
+def _ephemeral_ports() -> range:
+    """The kernel's range for the local ports of outgoing connections."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return range(int(low), int(high) + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)
+
+
 def free_port_pair() -> int:
-    """A port p such that p and p + 1 are both free now."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if port >= 65534:
+    """A port p such that p and p + 1 are both free now, outside the kernel's ephemeral
+    range: an agent binds p + 1 only at its first swap, minutes later, and by then any
+    outgoing connection (to PostgreSQL, Redis, an engine) may hold an ephemeral port."""
+    ephemeral = _ephemeral_ports()
+    candidates = [port for port in range(10_000, 65_000, 2) if port not in ephemeral]
+    for port in random.sample(candidates, 200):
+        if port + 1 in ephemeral:
             continue
-        with socket.socket() as second:
-            try:
+        try:
+            with socket.socket() as first, socket.socket() as second:
+                first.bind(("127.0.0.1", port))
                 second.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
+        except OSError:
+            continue
         return port
     raise RuntimeError("no free pair of ports")
 

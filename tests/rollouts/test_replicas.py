@@ -21,7 +21,7 @@ from tests.api.support import Signer
 from tests.fleet.support import heartbeat
 from tests.rollouts.conftest import running_rollout
 from tests.rollouts.test_reconciler import agent as serving_agent
-from tests.rollouts.test_reconciler import table
+from tests.rollouts.test_reconciler import load, table
 
 
 def signed(*versions: ModelVersion) -> None:
@@ -301,3 +301,15 @@ def test_a_bad_policy_is_refused_and_changes_nothing(deployment) -> None:
     assert "kv_cache_high" in raised.value.fields
     deployment.refresh_from_db()
     assert (deployment.stable_replicas_max, deployment.autoscaling) == (1, {})
+
+
+def test_a_spare_agent_whose_load_failed_is_tried_last(deployment, versions, redis_client) -> None:
+    stable, _ = versions
+    signed(stable)
+    serving("gpu-0", stable, host="host-a")
+    failing = idle("gpu-1", host="host-b")
+    idle("gpu-2", host="host-b")
+    load(failing, stable, finished_ago_s=5, status="failed")
+    two_replicas(deployment)
+    report = reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
+    assert report.loads == [("gpu-2", stable.pk)]
