@@ -5,7 +5,8 @@ from its own environment with those arguments as flags, reports ready, vLLM prov
 identity to the control plane, its heartbeats carry vLLM's figures, and a drain lets vLLM
 finish before it exits.
 
-vLLM takes about a minute to start on two cores: the one test below starts it once.
+vLLM takes a minute or two to start on two cores (eager mode): the one test below starts
+it once.
 Skipped when its environment is not built (`make engine-envs` builds it; `make test` does
 first).
 """
@@ -55,10 +56,10 @@ pytestmark = [
 VLLM_READY_S = 420.0
 # vLLM's CPU attention takes KV blocks of a multiple of 32 tokens only
 VLLM_CONFIG = {**SERVING_CONFIG, "dtype": "bfloat16", "kv_block_size": 32}
-# An engine argument, signed with the version, that reaches vLLM's command line. (Not
-# enforce_eager, which would spare the torch.compile at its start: vLLM 0.32.0's CPU build
-# then answers SmolLM2 wrongly.)
-VLLM_ARGS = {"seed": 7}
+# Engine arguments, signed with the version, that reach vLLM's command line. Eager mode
+# spares the torch.compile at its start (minutes on two cores); vLLM 0.32.0's CPU build then
+# answers SmolLM2 differently from the compiled model, which this test does not read.
+VLLM_ARGS = {"seed": 7, "enforce_eager": True}
 
 
 def export_folder(tmp_path: Path) -> Path:
@@ -154,6 +155,7 @@ def serve_through_vllm(fleet: Fleet, version: Any, live_server: Any, redis_clien
         command_line = Path(f"/proc/{started[0]['engine_pid']}/cmdline").read_bytes().split(b"\0")
         assert command_line[command_line.index(b"--model") + 1] == str(copy).encode()
         assert command_line[command_line.index(b"--seed") + 1] == b"7"
+        assert b"--enforce-eager" in command_line
 
         # vLLM takes the load's serving secret as its API key, and nothing else.
         secrets = engine_secrets_payload(agent_name=name, command_id=load)
