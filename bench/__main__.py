@@ -27,7 +27,14 @@ from typing import Any
 from bench.report import normalize_figure, write_report
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-STEPS = ("engine_bench", "gateway_bench", "ingest_bench", "rollback_bench", "fidelity_bench")
+STEPS = (
+    "engine_bench",
+    "gateway_bench",
+    "ingest_bench",
+    "rollback_bench",
+    "fidelity_bench",
+    "placement_bench",
+)
 TOTAL_BUDGET_S = 840.0  # `make bench` must finish within 15 minutes on two cores
 DEFAULT_BUDGET_S = 240.0
 DEFAULT_QUICK_BUDGET_S = 120.0

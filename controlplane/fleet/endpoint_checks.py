@@ -113,6 +113,8 @@ def endpoints_verify(
             services.agent_endpoint_mark_verified(
                 agent_id=agent.pk, command_id=command_id, endpoint=agent.endpoint
             )
+            # As recorded: a caller that holds these rows for more passes asks no more.
+            agent.verified_endpoint, agent.verified_load_command_id = agent.endpoint, command_id
             verified.add(agent.pk)
             continue
         logger.warning(

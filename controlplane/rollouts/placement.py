@@ -61,6 +61,15 @@ class Placement:
         self._footprints = footprints
         self._agents = list(agents)
         self._engines = {agent.pk: set(engines.get(agent.pk, set())) for agent in self._agents}
+        # Each agent's device, and the agents on each, read once: a pass asks for the room
+        # of every spare agent for every replica it places.
+        self._device = {
+            agent.pk: device_key(host=agent.host, inventory=agent.inventory)
+            for agent in self._agents
+        }
+        self._on_device: dict[str, list[Agent]] = {}
+        for agent in self._agents:
+            self._on_device.setdefault(self._device[agent.pk], []).append(agent)
 
     def need(self, version_id: int | None) -> int:
         return (footprint_total(self._footprints.get(version_id)) or 0) if version_id else 0
@@ -69,12 +78,10 @@ class Placement:
         return sum(self.need(version_id) for version_id in self._engines.get(agent.pk, ()))
 
     def _device_need(self, agent: Agent) -> int:
-        device = device_key(host=agent.host, inventory=agent.inventory)
-        return sum(
-            self._agent_need(other)
-            for other in self._agents
-            if device_key(host=other.host, inventory=other.inventory) == device
+        device = self._device.get(agent.pk) or device_key(
+            host=agent.host, inventory=agent.inventory
         )
+        return sum(self._agent_need(other) for other in self._on_device.get(device, ()))
 
     def _room(self, agent: Agent) -> int:
         """What a new engine on `agent` may take, beside the engines there now."""
@@ -90,11 +97,12 @@ class Placement:
         needed = footprint_total(footprint)
         if needed is None or footprint is None:
             return spare[0], None
-        fitting = [agent for agent in spare if self._room(agent) >= needed]
-        if fitting:
-            chosen = min(fitting, key=lambda agent: memory_offered(agent.inventory))
-            self._engines.setdefault(chosen.pk, set()).add(version_id)
-            return chosen, None
+        # The least offer first (a stable sort: among equal offers, the first spare one);
+        # the first that fits is the one, without reckoning the room of the rest.
+        for chosen in sorted(spare, key=lambda agent: memory_offered(agent.inventory)):
+            if self._room(chosen) >= needed:
+                self._engines.setdefault(chosen.pk, set()).add(version_id)
+                return chosen, None
         largest = max(spare, key=lambda agent: (self._room(agent), agent.name))
         offer, room = memory_offered(largest.inventory), max(self._room(largest), 0)
         message = (

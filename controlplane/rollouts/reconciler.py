@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import redis
 from django.conf import settings
+from django.db.models import Max, Q
 from django.utils import timezone
 
 from contracts import tracing
@@ -82,11 +83,120 @@ def _is_serving(agent: Agent, version_id: int | None, fresh_after: Any) -> bool:
     )
 
 
+class FleetView:
+    """What every deployment's pass reads alike, read once for a pass over many: the
+    agents, the load serving on each and its secret, the versions needed, those kept warm,
+    footprints. Commands are not in it: each deployment's pass reads those afresh, so it
+    sees the loads and drains sent before it (by this pass or another process).
+
+    A deployment's pass leaves the agents as read (what it changes on them while placing
+    is put back); one that changes desired routing (a rollout ended) drops the view, and
+    the next deployment reads it again.
+    """
+
+    def __init__(self) -> None:
+        self.invalidate()
+
+    def invalidate(self) -> None:
+        """Forget everything read: the next look reads it again."""
+        self._agents: list[Agent] | None = None
+        self._by_version: dict[int | None, list[Agent]] = {}
+        self._by_id: dict[int, Agent] = {}
+        self._loaded: list[Agent] = []
+        self._loads: dict[int, str] = {}
+        self._secrets: dict[int, str] = {}
+        self._needed: dict[int, int] | None = None
+        self._latest_revisions: dict[int, DeploymentRevision] | None = None
+        self._warm: set[int] | None = None
+        self._footprints: dict[int, Any] = {}
+        # The retirement marks of kept agents removed: once for all the deployments.
+        self.unmarked: set[str] = set()
+
+    def _read_agents(self) -> list[Agent]:
+        if self._agents is None:
+            agents = list(Agent.objects.all())
+            self._by_version = {}
+            for agent in agents:
+                self._by_version.setdefault(agent.loaded_version_id, []).append(agent)
+            self._by_id = {agent.pk: agent for agent in agents}
+            self._loaded = [agent for agent in agents if agent.loaded_version_id is not None]
+            # Each engine's load command: its serving secret (published) and admin secret
+            # (never published: the engine proves it holds it before its endpoint is routed).
+            self._loads = serving_loads(agents)
+            self._secrets = serving_secrets(agents, self._loads)
+            self._agents = agents
+        return self._agents
+
+    @property
+    def agents(self) -> list[Agent]:
+        return self._read_agents()
+
+    def loaded_with(self, version_id: int | None) -> list[Agent]:
+        """The agents that had `version_id` loaded when read (in the order of `agents`):
+        what a pass looks through instead of the whole fleet, for each version."""
+        self._read_agents()
+        return self._by_version.get(version_id, [])
+
+    @property
+    def loaded(self) -> list[Agent]:
+        """The agents that had a version loaded when read (in the order of `agents`)."""
+        self._read_agents()
+        return self._loaded
+
+    def with_ids(self, agent_ids: Iterable[int]) -> list[Agent]:
+        """The agents of these ids (those that were there when read)."""
+        self._read_agents()
+        return [self._by_id[pk] for pk in agent_ids if pk in self._by_id]
+
+    @property
+    def loads(self) -> dict[int, str]:
+        """Agent id -> the load command its engine serves for."""
+        self._read_agents()
+        return self._loads
+
+    @property
+    def secrets(self) -> dict[int, str]:
+        """Agent id -> its engine's serving secret."""
+        self._read_agents()
+        return self._secrets
+
+    @property
+    def needed(self) -> dict[int, int]:
+        if self._needed is None:
+            self._needed = _needed_versions()
+        return self._needed
+
+    def previous_stable(self, deployment_id: int, stable_id: int) -> int | None:
+        """The version the deployment's stable one replaced, while it is kept warm."""
+        if settings.ROLLOUTS_PREVIOUS_STABLE_WARM_S <= 0:
+            return None
+        if self._latest_revisions is None:
+            self._latest_revisions = _latest_revisions()
+        return _kept_warm(self._latest_revisions.get(deployment_id), stable_id)
+
+    @property
+    def warm(self) -> set[int]:
+        if self._warm is None:
+            self._warm = _warm_versions(self.needed, self)
+        return self._warm
+
+    def footprints(self, version_ids: set[int]) -> dict[int, Any]:
+        """Version id -> stored footprint (None: unknown, or no such version)."""
+        missing = version_ids - set(self._footprints)
+        if missing:
+            rows = ModelVersion.objects.filter(pk__in=missing).values_list("pk", "footprint")
+            self._footprints.update(dict.fromkeys(missing))
+            self._footprints.update(dict(rows))
+        return {version_id: self._footprints[version_id] for version_id in version_ids}
+
+
 @tracing.traced(__name__, "rollouts.reconcile")
 def reconcile_deployment(
-    *, deployment_id: int, client: redis.Redis | None = None
+    *, deployment_id: int, client: redis.Redis | None = None, view: FleetView | None = None
 ) -> ReconcileReport:
-    report = _reconcile_locked(deployment_id, client)
+    """One pass for one deployment; `view`: the fleet as read for a pass over many (one
+    read afresh when not given)."""
+    report = _reconcile_locked(deployment_id, client, view or FleetView())
     tracing.span_attributes_set(
         deployment=report.deployment,
         routing_revision=report.revision,
@@ -99,7 +209,33 @@ def reconcile_deployment(
     return report
 
 
-def _reconcile_locked(deployment_id: int, client: redis.Redis | None) -> ReconcileReport:
+def reconcile_deployments(
+    *, deployment_ids: Sequence[int], client: redis.Redis | None = None
+) -> list[ReconcileReport]:
+    """A pass over many deployments, one after another, reading the fleet once
+    (`FleetView`). A deployment whose pass fails is logged; the others still run."""
+    own_client = client is None
+    client = client or redis_client(decode_responses=True)
+    view = FleetView()
+    reports = []
+    try:
+        for deployment_id in deployment_ids:
+            try:
+                reports.append(
+                    reconcile_deployment(deployment_id=deployment_id, client=client, view=view)
+                )
+            except Exception:
+                logger.exception("reconcile failed", extra={"deployment_id": deployment_id})
+                view.invalidate()
+    finally:
+        if own_client:
+            client.close()
+    return reports
+
+
+def _reconcile_locked(
+    deployment_id: int, client: redis.Redis | None, view: FleetView
+) -> ReconcileReport:
     own_client = client is None
     client = client or redis_client(decode_responses=True)
     try:
@@ -116,7 +252,7 @@ def _reconcile_locked(deployment_id: int, client: redis.Redis | None) -> Reconci
                 deployment=deployment.name, revision=0, skipped="another pass holds the lock"
             )
         try:
-            return _reconcile(deployment_id, client)
+            return _reconcile(deployment_id, client, view)
         finally:
             try:
                 lock.release()
@@ -127,35 +263,36 @@ def _reconcile_locked(deployment_id: int, client: redis.Redis | None) -> Reconci
             client.close()
 
 
-def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
+def _reconcile(deployment_id: int, client: redis.Redis, view: FleetView) -> ReconcileReport:
     # A revoked candidate's rollout ends before anything is routed (its canary weight goes).
-    revoked_candidates = Rollout.objects.filter(
-        deployment_id=deployment_id,
-        state__in=ACTIVE_STATES,
-        candidate__status=VersionStatus.REVOKED,
-    ).values_list("candidate_id", flat=True)
-    for version_id in set(revoked_candidates):
+    revoked_candidates = set(
+        Rollout.objects.filter(
+            deployment_id=deployment_id,
+            state__in=ACTIVE_STATES,
+            candidate__status=VersionStatus.REVOKED,
+        ).values_list("candidate_id", flat=True)
+    )
+    for version_id in revoked_candidates:
         decisions.rollouts_stop_for_revoked_candidate(version_id=version_id)
+    if revoked_candidates:
+        view.invalidate()  # the versions needed changed
     # Re-read inside the lock: the newest committed desired routing wins.
     deployment = Deployment.objects.select_related("stable_version__model").get(pk=deployment_id)
     desired: DesiredRouting = deployment.desired_routing
     report = ReconcileReport(deployment=deployment.name, revision=deployment.routing_revision)
     now = timezone.now()
     fresh_after = now - timedelta(seconds=settings.ROLLOUTS_AGENT_FRESH_S)
-    agents = list(Agent.objects.all())
     stable_id = desired.get("stable_version_id") or deployment.stable_version_id
     canary_id = desired.get("canary_version_id")
-    previous_id = _previous_stable(deployment.pk, stable_id)
+    previous_id = view.previous_stable(deployment.pk, stable_id)
     weight = int(desired.get("canary_weight") or 0)
     tenants = desired.get("canary_tenants") or []
-
-    # Each engine's load command: its serving secret (published) and admin secret (never
-    # published: the engine proves it holds it before its endpoint is routed).
-    loads = serving_loads(agents)
-    secrets = serving_secrets(agents, loads)
+    loads, secrets = view.loads, view.secrets
+    routable = [v for v in dict.fromkeys([stable_id, canary_id, previous_id]) if v is not None]
     serving = [
         a
-        for a in agents
+        for version_id in routable
+        for a in view.loaded_with(version_id)
         if a.pk in secrets  # the gateway could not authenticate to its engine otherwise
         and (
             _is_serving(a, stable_id, fresh_after)
@@ -166,10 +303,14 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
     ]
     verified = endpoints_verify(agents=serving, loads=loads, client=client)
     serving_ids = {a.pk for a in serving}
-    needed = _needed_versions()
-    fresh = [a for a in agents if a.last_seen is not None and a.last_seen >= fresh_after]
+    needed = view.needed
 
     def ready_agents(version_id: int) -> list[Agent]:
+        fresh = [
+            a
+            for a in view.loaded_with(version_id)
+            if a.last_seen is not None and a.last_seen >= fresh_after
+        ]
         kept = kept_replicas(fresh, version_id, needed.get(version_id, 1))
         ready = [a for a in kept if a.pk in serving_ids and a.pk in verified]
         return sorted(ready, key=lambda agent: agent.endpoint)
@@ -180,11 +321,10 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
     def endpoint_secrets(version_id: int) -> dict[str, str]:
         return {agent.endpoint: secrets[agent.pk] for agent in ready_agents(version_id)}
 
+    view_changed = False  # this pass changed what the view holds: the next one reads it again
     # Fast path: every agent that served the canary is lost.
     if canary_id is not None and weight > 0:
-        lost = [
-            a for a in agents if a.loaded_version_id == canary_id and a.state == AgentState.LOST
-        ]
+        lost = [a for a in view.loaded_with(canary_id) if a.state == AgentState.LOST]
         if lost and not ready_endpoints(canary_id):
             rollout = Rollout.objects.filter(
                 deployment=deployment, candidate_id=canary_id, state=RolloutState.RUNNING
@@ -193,6 +333,7 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
                 report.rolled_back = decisions.rollback_when_canary_lost(
                     rollout_id=rollout.pk, lost_agents=[a.name for a in lost]
                 )
+                view_changed = True
                 deployment.refresh_from_db()
                 desired = deployment.desired_routing
                 report.revision = deployment.routing_revision
@@ -271,20 +412,22 @@ def _reconcile(deployment_id: int, client: redis.Redis) -> ReconcileReport:
     )
     report.weights = {v.version_id: v.weight for v in versions}
     report.endpoints = {v.version_id: list(v.endpoints) for v in versions}
-    Deployment.objects.filter(
-        pk=deployment.pk, applied_revision__lt=deployment.routing_revision
-    ).update(applied_revision=deployment.routing_revision)
+    if deployment.applied_revision < deployment.routing_revision:  # else nothing to write
+        Deployment.objects.filter(
+            pk=deployment.pk, applied_revision__lt=deployment.routing_revision
+        ).update(applied_revision=deployment.routing_revision)
 
-    _converge_agents(deployment, desired, needed, agents, fresh_after, client, report)
+    try:
+        _converge_agents(deployment, desired, view, fresh_after, client, report)
+    finally:
+        if view_changed:
+            view.invalidate()
     return report
 
 
-def _previous_stable(deployment_id: int, stable_id: int) -> int | None:
-    """The version the current stable one replaced, while it is kept warm."""
+def _kept_warm(latest: DeploymentRevision | None, stable_id: int) -> int | None:
+    """The previous version the deployment's latest revision names, while it is kept warm."""
     retention = settings.ROLLOUTS_PREVIOUS_STABLE_WARM_S
-    if retention <= 0:
-        return None
-    latest = DeploymentRevision.objects.filter(deployment_id=deployment_id).order_by("-id").first()
     if (
         latest is None
         or latest.version_id != stable_id
@@ -295,11 +438,25 @@ def _previous_stable(deployment_id: int, stable_id: int) -> int | None:
     return latest.previous_version_id
 
 
-def _warm_versions(needed: Mapping[int, int]) -> set[int]:
+def _latest_revisions() -> dict[int, DeploymentRevision]:
+    """Every deployment's latest revision, in one query."""
+    latest_ids = (
+        DeploymentRevision.objects.order_by()
+        .values("deployment_id")
+        .annotate(latest_id=Max("id"))
+        .values("latest_id")
+    )
+    return {
+        revision.deployment_id: revision
+        for revision in DeploymentRevision.objects.filter(pk__in=latest_ids)
+    }
+
+
+def _warm_versions(needed: Mapping[int, int], view: FleetView) -> set[int]:
     """Every deployment's previous stable version while kept warm, unless needed anyway."""
     warm: set[int] = set()
     for deployment_id, stable_id in Deployment.objects.values_list("pk", "stable_version_id"):
-        previous_id = _previous_stable(deployment_id, stable_id)
+        previous_id = view.previous_stable(deployment_id, stable_id)
         if previous_id is not None:
             warm.add(previous_id)
     deployable = ModelVersion.objects.filter(pk__in=warm, status__in=DEPLOYABLE_STATUSES)
@@ -335,7 +492,7 @@ def kept_replicas(agents: Sequence[Agent], version_id: int, count: int) -> list[
 def _placement(
     alive: list[Agent],
     in_flight_commands: Sequence[tuple[int, str, int | None]],
-    needed: Mapping[int, int],
+    view: FleetView,
 ) -> Placement:
     """The fleet's memory: each live agent's loaded version and the loads sent to it."""
     engines: dict[int, set[int]] = {}
@@ -346,11 +503,27 @@ def _placement(
         if kind == CommandKind.LOAD and version_id is not None:
             engines.setdefault(agent_id, set()).add(version_id)
     version_ids = {version_id for ids in engines.values() for version_id in ids}
-    version_ids |= set(needed)
-    footprints = dict(
-        ModelVersion.objects.filter(pk__in=version_ids).values_list("pk", "footprint")
-    )
-    return Placement(agents=alive, footprints=footprints, engines=engines)
+    version_ids |= set(view.needed)
+    return Placement(agents=alive, footprints=view.footprints(version_ids), engines=engines)
+
+
+class _LazyPlacement:
+    """The pass's Placement, built when a version first needs an agent: in a fleet that has
+    converged, never."""
+
+    def __init__(
+        self,
+        alive: list[Agent],
+        in_flight_commands: Sequence[tuple[int, str, int | None]],
+        view: FleetView,
+    ) -> None:
+        self._arguments = (alive, in_flight_commands, view)
+        self._placement: Placement | None = None
+
+    def choose(self, version_id: int, spare: list[Agent]) -> tuple[Agent | None, Unplaced | None]:
+        if self._placement is None:
+            self._placement = _placement(*self._arguments)
+        return self._placement.choose(version_id, spare)
 
 
 def _unplaced_record(deployment: Deployment, unplaced: list[Unplaced]) -> None:
@@ -374,8 +547,7 @@ def _unplaced_record(deployment: Deployment, unplaced: list[Unplaced]) -> None:
 def _converge_agents(
     deployment: Deployment,
     desired: DesiredRouting,
-    needed: Mapping[int, int],
-    agents: list[Agent],
+    view: FleetView,
     fresh_after: Any,
     client: redis.Redis,
     report: ReconcileReport,
@@ -384,18 +556,42 @@ def _converge_agents(
     drain agents whose version nobody needs, and replicas beyond the count."""
     from controlplane.fleet import services as fleet_services
 
-    warm = _warm_versions(needed)
-    alive = [
-        a
-        for a in agents
-        if a.state != AgentState.LOST and a.last_seen and a.last_seen >= fresh_after
-    ]
-    in_flight_commands = list(
-        AgentCommand.objects.filter(
-            status__in=IN_FLIGHT_COMMANDS,
-            created_at__gte=timezone.now() - timedelta(seconds=settings.ROLLOUTS_COMMAND_WAIT_S),
-        ).values_list("agent_id", "kind", "version_id")
-    )
+    needed, warm = view.needed, view.warm
+
+    def is_alive(agent: Agent) -> bool:
+        return bool(
+            agent.state != AgentState.LOST and agent.last_seen and agent.last_seen >= fresh_after
+        )
+
+    alive = [a for a in view.agents if is_alive(a)]
+
+    # An agent's version as read, not as this pass changes it below: an agent given a load
+    # here is LOADING, neither a replica of its old version nor a ready one of the new.
+    def alive_with(version_id: int) -> list[Agent]:
+        return [a for a in view.loaded_with(version_id) if is_alive(a)]
+
+    # The commands that matter, read afresh for each deployment (one query): those under
+    # way, and those finished within the freshness window.
+    now = timezone.now()
+    wait_after = now - timedelta(seconds=settings.ROLLOUTS_COMMAND_WAIT_S)
+    finished_after = now - timedelta(seconds=settings.ROLLOUTS_AGENT_FRESH_S)
+    recent_commands = AgentCommand.objects.filter(
+        Q(status__in=IN_FLIGHT_COMMANDS, created_at__gte=wait_after)
+        | Q(finished_at__gte=finished_after)
+    ).values_list("agent_id", "kind", "version_id", "status", "created_at", "finished_at")
+    in_flight_commands: list[tuple[int, str, int | None]] = []
+    just_loaded: list[tuple[int, int]] = []  # (version id, agent id)
+    settling: set[int] = set()
+    for agent_id, kind, version, status, created_at, finished_at in recent_commands:
+        if status in IN_FLIGHT_COMMANDS and created_at >= wait_after:
+            in_flight_commands.append((agent_id, kind, version))
+        if finished_at is not None and finished_at >= finished_after:
+            # An agent whose command finished within the freshness window may still be
+            # described by a heartbeat sent before it: no drain is decided from that row
+            # (and every drain names the version it means, which the agent checks).
+            settling.add(agent_id)
+            if kind == CommandKind.LOAD and status == CommandStatus.SUCCEEDED:
+                just_loaded.append((version, agent_id))  # a load names its version
     in_flight = {agent_id for agent_id, _, _ in in_flight_commands}
     # The agents taking each version: loads under way, and loads that just succeeded (a
     # load's result can reach the database before the agent's heartbeat naming the new
@@ -404,48 +600,28 @@ def _converge_agents(
     for agent_id, kind, version_id in in_flight_commands:
         if kind == CommandKind.LOAD and version_id is not None:
             loading.setdefault(version_id, set()).add(agent_id)
-    just_loaded = AgentCommand.objects.filter(
-        kind=CommandKind.LOAD,
-        status=CommandStatus.SUCCEEDED,
-        finished_at__gte=timezone.now() - timedelta(seconds=settings.ROLLOUTS_AGENT_FRESH_S),
-    ).values_list("version_id", "agent_id")
-    for version_id, agent_id in just_loaded:
-        loading.setdefault(version_id, set()).add(agent_id)
-
-    # An agent whose command finished within the freshness window may still be described
-    # by a heartbeat sent before it: no drain is decided from that row (and every drain
-    # names the version it means, which the agent checks).
-    settling = set(
-        AgentCommand.objects.filter(
-            finished_at__gte=timezone.now() - timedelta(seconds=settings.ROLLOUTS_AGENT_FRESH_S)
-        ).values_list("agent_id", flat=True)
-    )
+    for loaded_id, loaded_on in just_loaded:
+        loading.setdefault(loaded_id, set()).add(loaded_on)
 
     def busy(agent: Agent) -> bool:
         return agent.pk in in_flight or agent.state in {AgentState.LOADING, AgentState.WARMING}
 
-    # (agent, version) whose load failed lately: another spare agent is tried first (the
-    # same engine failing on the same agent would fail again, and hold the replica back).
-    failed_loads = set(
-        AgentCommand.objects.filter(
-            kind=CommandKind.LOAD,
-            status__in=(CommandStatus.FAILED, CommandStatus.REJECTED),
-            finished_at__gte=timezone.now()
-            - timedelta(seconds=settings.ROLLOUTS_LOAD_FAILED_AVOID_S),
-        ).values_list("agent_id", "version_id")
-    )
+    failed_loads: set[tuple[int, int]] | None = None  # read when a replica is placed
 
-    placement = _placement(alive, in_flight_commands, needed)
+    placement = _LazyPlacement(alive, in_flight_commands, view)
+    # Agents given a load by this pass, as read: they are put back as the view holds them
+    # (the database has them so until their agents report).
+    taken: list[tuple[Agent, int | None, str]] = []
     unplaced: list[Unplaced] = []
     for version_id in desired.get("preload_version_ids") or []:
         if version_id not in needed:  # revoked
             continue
         replicas = {
             a.pk
-            for a in alive
+            for a in alive_with(version_id)
             if a.loaded_version_id == version_id and a.state != AgentState.DRAINING
         } | loading.get(version_id, set())
-        hosts = _hosts_of(alive, replicas)
+        hosts = _hosts_of([a for a in view.with_ids(replicas) if is_alive(a)], replicas)
         while len(replicas) < needed[version_id]:
             spare = [
                 a
@@ -455,6 +631,8 @@ def _converge_agents(
                 and (a.state == AgentState.IDLE or (a.loaded_version_id not in needed))
                 and a.state != AgentState.DRAINING
             ]
+            if failed_loads is None:
+                failed_loads = _failed_loads()
             untried = [a for a in spare if (a.pk, version_id) not in failed_loads]
             agent, why = _choose_spread(placement, version_id, untried, warm, hosts)
             if agent is None and len(untried) < len(spare):
@@ -469,12 +647,13 @@ def _converge_agents(
             in_flight.add(agent.pk)
             replicas.add(agent.pk)
             hosts[agent.host] = hosts.get(agent.host, 0) + 1
+            taken.append((agent, agent.loaded_version_id, agent.state))
             agent.loaded_version_id = version_id  # not spare for the next version of this pass
             agent.state = AgentState.LOADING
     report.unplaced = [why.message for why in unplaced]
     _unplaced_record(deployment, unplaced)
 
-    previous_id = _previous_stable(deployment.pk, deployment.stable_version_id)
+    previous_id = view.previous_stable(deployment.pk, deployment.stable_version_id)
     if (
         previous_id in warm
         and previous_id not in loading
@@ -488,21 +667,31 @@ def _converge_agents(
     kept = {
         agent.pk
         for version_id in {*needed, *warm}
-        for agent in kept_replicas(alive, version_id, needed.get(version_id, 1))
+        for agent in kept_replicas(alive_with(version_id), version_id, needed.get(version_id, 1))
     }
     grace = settings.ROLLOUTS_DRAIN_GRACE_S
-    for agent in alive:
-        if (
-            agent.state != AgentState.READY
-            or agent.loaded_version_id is None
-            or busy(agent)
-            or agent.pk in settling
-        ):
+    retirable = [
+        agent
+        for agent in view.loaded  # as read: one given a load by this pass is not READY
+        if agent.state == AgentState.READY
+        and agent.loaded_version_id is not None
+        and is_alive(agent)
+        and not busy(agent)
+        and agent.pk not in settling
+    ]
+    # A kept agent's retirement mark goes: one round trip for all the fleet's kept agents,
+    # in the pass of the view's first deployment (they are the same in every other).
+    unmark = client.pipeline(transaction=False)
+    for agent in retirable:
+        retire_key = f"rollouts:retire:{agent.name}:{agent.loaded_version_id}"
+        if agent.pk in kept and retire_key not in view.unmarked:
+            unmark.delete(retire_key)
+            view.unmarked.add(retire_key)
+    unmark.execute()
+    for agent in retirable:
+        if agent.pk in kept:
             continue
         retire_key = f"rollouts:retire:{agent.name}:{agent.loaded_version_id}"
-        if agent.pk in kept:
-            client.delete(retire_key)
-            continue
         # First seen unneeded now; drained after the gateways have dropped it from their tables.
         client.set(retire_key, str(time.time()), nx=True, ex=3600)
         since = float(client.get(retire_key) or time.time())
@@ -523,6 +712,20 @@ def _converge_agents(
             client.delete(retire_key)
         except DomainError as exc:
             logger.warning("drain not sent", extra={"agent": agent.name, "error": exc.message})
+    for agent, loaded_version_id, state in taken:
+        agent.loaded_version_id, agent.state = loaded_version_id, state
+
+
+def _failed_loads() -> set[tuple[int, int]]:
+    """(agent, version) whose load failed lately: another spare agent is tried first (the
+    same engine failing on the same agent would fail again, and hold the replica back)."""
+    since = timezone.now() - timedelta(seconds=settings.ROLLOUTS_LOAD_FAILED_AVOID_S)
+    failed = AgentCommand.objects.filter(
+        kind=CommandKind.LOAD,
+        status__in=(CommandStatus.FAILED, CommandStatus.REJECTED),
+        finished_at__gte=since,
+    ).values_list("agent_id", "version_id")
+    return {(agent_id, version_id) for agent_id, version_id in failed if version_id is not None}
 
 
 def _hosts_of(alive: Sequence[Agent], agent_ids: set[int]) -> dict[str, int]:
@@ -535,7 +738,7 @@ def _hosts_of(alive: Sequence[Agent], agent_ids: set[int]) -> dict[str, int]:
 
 
 def _choose_spread(
-    placement: Placement,
+    placement: Placement | _LazyPlacement,
     version_id: int,
     spare: list[Agent],
     warm: set[int],
@@ -560,7 +763,7 @@ def _warm_load(
     version_id: int,
     alive: list[Agent],
     busy: Any,
-    placement: Placement,
+    placement: Placement | _LazyPlacement,
     report: ReconcileReport,
 ) -> None:
     """Load the previous stable version on an idle agent whose memory holds it. An agent

@@ -46,7 +46,19 @@ ENERGY_LOOKS = 60
 
 @shared_task(name=hooks.RECONCILE_TASK, **TASK_OPTIONS)
 def reconcile_deployment(deployment_id: int) -> None:
-    report = reconciler.reconcile_deployment(deployment_id=deployment_id)
+    _reconciled(reconciler.reconcile_deployment(deployment_id=deployment_id))
+
+
+@shared_task(name="rollouts.reconcile_all", **TASK_OPTIONS)
+def reconcile_all() -> None:
+    """Every deployment in one pass that reads the fleet once (a task per deployment read
+    every agent once per deployment)."""
+    deployment_ids = list(Deployment.objects.order_by("pk").values_list("pk", flat=True))
+    for report in reconciler.reconcile_deployments(deployment_ids=deployment_ids):
+        _reconciled(report)
+
+
+def _reconciled(report: reconciler.ReconcileReport) -> None:
     if report.loads or report.drains or report.rolled_back:
         # In the message itself: worker logs are what a failed rollout is read from.
         logger.info(
@@ -62,12 +74,6 @@ def reconcile_deployment(deployment_id: int) -> None:
         logger.info(
             "reconciled", extra={"deployment": report.deployment, "revision": report.revision}
         )
-
-
-@shared_task(name="rollouts.reconcile_all", **TASK_OPTIONS)
-def reconcile_all() -> None:
-    for deployment_id in Deployment.objects.values_list("pk", flat=True):
-        reconcile_deployment.delay(deployment_id)
 
 
 @shared_task(name="rollouts.autoscale", **TASK_OPTIONS)

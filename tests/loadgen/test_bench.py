@@ -202,3 +202,40 @@ def test_a_skipped_vllm_reference_is_printed_and_noted(capsys):
     # nothing served by the engine: nothing for vLLM to serve either
     _, reason = measure_vllm(Options(), workload, ServingResult(1.0, 0, 0), [])
     assert reason is not None
+
+
+def test_the_placement_bench_counts_each_replica_loaded_or_explained():
+    from bench.placement_bench import Fleet, PassResult, misrouted, unaccounted_replicas
+    from controlplane.rollouts.reconciler import ReconcileReport
+
+    fleet = Fleet(deployment_ids=[1, 2], replicas={1: {10: 2, 11: 1}, 2: {20: 3}}, rollouts=1)
+    first = PassResult(
+        seconds=1.0,
+        queries=10,
+        cpu_seconds=0.5,
+        reports=[
+            ReconcileReport(
+                deployment="a",
+                revision=1,
+                loads=[("agent-1", 10), ("agent-2", 10)],
+                unplaced=["version 11 needs 8.00 GiB; largest spare agent agent-3 offers 4 GiB"],
+            ),
+            ReconcileReport(deployment="b", revision=1, loads=[("agent-4", 20)]),
+        ],
+    )
+    assert first.loads == 3
+    assert unaccounted_replicas(fleet, first) == ["b: version 20 1 of 3"]
+    steady = PassResult(
+        seconds=0.1,
+        queries=5,
+        cpu_seconds=0.05,
+        reports=[
+            ReconcileReport(deployment="a", revision=1, endpoints={10: ["x", "y"], 11: ["z"]}),
+            ReconcileReport(deployment="b", revision=1, endpoints={20: ["u"]}),
+        ],
+    )
+    assert misrouted(fleet, steady) == ["b: routed {20: 1}, asked {20: 3}"]
+    from bench.__main__ import PACKAGE_DIR, STEPS
+
+    assert "placement_bench" in STEPS
+    assert declared_budget(PACKAGE_DIR / "placement_bench.py", quick=True) == 90

@@ -6,20 +6,22 @@ from datetime import timedelta
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from django.db import connection
 from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from contracts.commands import CommandKind, commands_stream, parse_command
 from controlplane.audit.models import AuditEvent
 from controlplane.core.errors import DomainError
 from controlplane.fleet.models import Agent
-from controlplane.registry.models import ModelVersion, SigningKey
-from controlplane.rollouts import reconciler, scaling
+from controlplane.registry.models import Model, ModelVersion, SigningKey
+from controlplane.rollouts import deployments, reconciler, scaling
 from controlplane.rollouts.models import Deployment, ReplicaRole, ScalingDecision
 from controlplane.rollouts.replicas import deployment_replicas_set, replicas_scale
 from tests.api.support import Signer
 from tests.fleet.support import heartbeat
-from tests.rollouts.conftest import running_rollout
+from tests.rollouts.conftest import make_version, running_rollout
 from tests.rollouts.test_reconciler import agent as serving_agent
 from tests.rollouts.test_reconciler import load, table
 
@@ -134,6 +136,37 @@ def test_after_a_scale_down_the_extra_replica_leaves_the_table_then_drains(
     assert report.drains == ["gpu-2"]
     [(_, fields)] = redis_client.xrange(commands_stream("gpu-2"))
     assert parse_command(fields).payload == {"version_id": stable.pk}
+
+
+def test_a_pass_over_every_deployment_reads_the_fleet_once_and_gives_each_agent_one_load(
+    deployment, versions, redis_client
+) -> None:
+    stable, _ = versions
+    other = make_version(Model.objects.create(name="other", task="chat"), "f32", "c")
+    signed(stable, other)
+    second = deployments.deployment_create(actor=None, name="other", stable_version=other)
+    two_replicas(deployment)
+    for index in range(4):
+        idle(f"gpu-{index}", host=f"host-{index % 2}")
+    with CaptureQueriesContext(connection) as queries:
+        reports = reconciler.reconcile_deployments(
+            deployment_ids=[deployment.pk, second.pk], client=redis_client
+        )
+    # The second deployment sees the first one's loads: gpu-0 and gpu-1 are taken.
+    assert [report.loads for report in reports] == [
+        [("gpu-0", stable.pk), ("gpu-1", stable.pk)],
+        [("gpu-2", other.pk)],
+    ]
+    fleet_reads = [
+        query["sql"]
+        for query in queries.captured_queries
+        if 'FROM "fleet_agent"' in query["sql"] and "WHERE" not in query["sql"]
+    ]
+    assert len(fleet_reads) == 1
+    again = reconciler.reconcile_deployments(
+        deployment_ids=[deployment.pk, second.pk], client=redis_client
+    )
+    assert [report.loads for report in again] == [[], []]
 
 
 def test_a_rollout_asks_for_its_canary_replicas(deployment, versions, redis_client) -> None:
