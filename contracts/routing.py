@@ -14,9 +14,15 @@ Routing (written by the rollouts reconciler, today by
   maps its endpoints to the serving secret the gateway presents to that engine
   (`Authorization: Bearer`); an endpoint without one is sent no credentials, which the
   engine refuses. The engines' admin secrets are never in a table. Each version's `role`
-  says whether it is the deployment's stable version or its canary (traces name it).
+  says whether it is the deployment's stable version or its canary (traces name it), or
+  a shadow: a version that never answers. A shadow route's `weight` (or a tenant's own
+  weight for it in `tenant_weights`) is the percent of the requests the other versions
+  answer that the gateway mirrors to it and whose answers it discards
+  (`RoutingTable.shadow_shares_for`); `weights_for`, and so every choice of the version
+  that answers, leaves shadow routes out.
 
-Requests (written by the gateway after every routed request, read by ingest):
+Requests (written by the gateway after every routed request and every mirrored one, read
+by ingest):
 
 - `telemetry:requests`: one flat entry per finished request (`RequestRecord`). Ingest is
   idempotent on `request_id`. The gateway adds entries without MAXLEN: an entry leaves the
@@ -64,7 +70,9 @@ REQUEST_ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")
 ENDPOINT_PATTERN = re.compile(r"^https?://[^\s/]+(:\d+)?/?$")
 TENANT_SLUG_PATTERN = re.compile(r"^[-a-zA-Z0-9_]{1,50}$")
 # What a version is to its deployment: "" where the publisher did not say (older tables).
-VERSION_ROLES = ("stable", "canary", "")
+# A shadow version is sent copies of requests and never answers one.
+ROLE_SHADOW = "shadow"
+VERSION_ROLES = ("stable", "canary", ROLE_SHADOW, "")
 
 
 class RoutingContractError(ValueError):
@@ -98,7 +106,11 @@ class VersionRoute:
     max_model_len: int = 0
     # endpoint -> the serving secret of the engine behind it (64 hex characters)
     endpoint_secrets: Mapping[str, str] = field(default_factory=dict, repr=False, hash=False)
-    role: str = ""  # one of VERSION_ROLES: the deployment's stable version, or its canary
+    role: str = ""  # one of VERSION_ROLES: the deployment's stable version, its canary, a shadow
+
+    @property
+    def is_shadow(self) -> bool:
+        return self.role == ROLE_SHADOW
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -124,11 +136,26 @@ class RoutingTable:
     tenant_weights: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
 
     def weights_for(self, tenant_slug: str | None) -> dict[int, int]:
-        """{version_id: weight} as they apply to this tenant."""
+        """{version_id: weight} of the versions that may answer, as they apply to this
+        tenant; shadow routes are never among them."""
         own = self.tenant_weights.get(tenant_slug) if tenant_slug is not None else None
+        answering = [v for v in self.versions if not v.is_shadow]
         if own is not None:
-            return {v.version_id: own.get(v.version_id, 0) for v in self.versions}
-        return {v.version_id: v.weight for v in self.versions}
+            return {v.version_id: own.get(v.version_id, 0) for v in answering}
+        return {v.version_id: v.weight for v in answering}
+
+    def shadow_shares_for(self, tenant_slug: str | None) -> list[tuple[VersionRoute, int]]:
+        """(shadow route, percent of this tenant's requests mirrored to it), for each
+        shadow route with ready endpoints and a share above 0."""
+        own = self.tenant_weights.get(tenant_slug) if tenant_slug is not None else None
+        shares = []
+        for version in self.versions:
+            if not version.is_shadow or not version.endpoints:
+                continue
+            share = own.get(version.version_id, 0) if own is not None else version.weight
+            if share > 0:
+                shares.append((version, share))
+        return shares
 
     def to_json(self) -> str:
         return json.dumps(
@@ -201,7 +228,7 @@ def routing_table_build(
         if not 0 <= version.max_model_len <= MAX_INTEGER:
             raise RoutingContractError(f"{where}.max_model_len: must be within 0..{MAX_INTEGER}")
         if version.role not in VERSION_ROLES:
-            raise RoutingContractError(f"{where}.role: must be stable, canary or empty")
+            raise RoutingContractError(f"{where}.role: must be stable, canary, shadow or empty")
         for endpoint in version.endpoints:
             if not isinstance(endpoint, str) or not ENDPOINT_PATTERN.fullmatch(endpoint):
                 raise RoutingContractError(f"{where}.endpoints: {endpoint!r} is not an http(s) URL")
@@ -219,8 +246,12 @@ def routing_table_build(
                     f"{where}.endpoint_secrets[{endpoint[:80]!r}]: must be 64 lowercase hex"
                     " characters"
                 )
-    if versions and sum(version.weight for version in versions) == 0:
-        raise RoutingContractError("versions: at least one weight must be positive")
+    roles = {version.version_id: version.role for version in versions}
+    if versions and not any(v.weight for v in versions if v.role != ROLE_SHADOW):
+        raise RoutingContractError(
+            "versions: at least one weight of a version that answers (not a shadow) must be"
+            " positive"
+        )
     checked: dict[str, dict[int, int]] = {}
     for slug, weights in (tenant_weights or {}).items():
         where = f"tenant_weights[{str(slug)[:50]!r}]"
@@ -233,8 +264,10 @@ def routing_table_build(
                 raise RoutingContractError(f"{where}: version {version_id!r} is not in versions")
             if isinstance(weight, bool) or not isinstance(weight, int) or not 0 <= weight <= 100:
                 raise RoutingContractError(f"{where}.{version_id}: weight must be within 0..100")
-        if sum(weights.values()) == 0:
-            raise RoutingContractError(f"{where}: at least one weight must be positive")
+        if not any(w for v, w in weights.items() if roles.get(v) != ROLE_SHADOW):
+            raise RoutingContractError(
+                f"{where}: at least one weight of a version that answers must be positive"
+            )
         checked[slug] = dict(weights)
     return RoutingTable(
         deployment=deployment,
@@ -354,6 +387,9 @@ class RequestRecord:
     # The `code` of the error the client got ("" when it succeeded): the cause, which
     # `is_server_fault` needs no more than the status to judge.
     error_code: str = ""
+    # A copy mirrored to a shadow version: its answer went to no one, so it is never
+    # usage (no UsageRecord, no energy share, no prompt record); `status` is the engine's.
+    is_shadow: bool = False
 
     @property
     def is_server_fault(self) -> bool:
@@ -388,6 +424,8 @@ class RequestRecord:
             out["prompt"] = self.prompt
         if self.completion is not None:
             out["completion"] = self.completion
+        if self.is_shadow:  # absent when false: every other entry reads as it always did
+            out["is_shadow"] = "1"
         return out
 
 
@@ -508,7 +546,17 @@ def parse_request_record(data: Mapping[str, str]) -> RequestRecord:
         prompt=_optional_text(data, "prompt"),
         completion=_optional_text(data, "completion"),
         error_code=_error_code(data),
+        is_shadow=_is_shadow(data),
     )
+
+
+def _is_shadow(data: Mapping[str, str]) -> bool:
+    value = data.get("is_shadow")
+    if value is None:  # absent: a request a tenant was answered, or an entry from before
+        return False
+    if value not in {"0", "1"}:
+        raise RoutingContractError("is_shadow: must be 0 or 1")
+    return value == "1"
 
 
 def _error_code(data: Mapping[str, str]) -> str:

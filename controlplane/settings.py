@@ -311,6 +311,11 @@ if GATEWAY_REQUESTS_STREAM_MAX_LENGTH < 1:
 TELEMETRY_RECORD_KEY = env_key(
     "TELEMETRY_RECORD_KEY", label=b"controlplane.telemetry.record-key", secret_key=SECRET_KEY
 )
+# Copies of requests mirrored to shadow versions at once per gateway process; one beyond
+# is dropped (gateway_shadow_requests_total{outcome="dropped"}).
+GATEWAY_SHADOW_MAX_IN_FLIGHT = int(os.environ.get("GATEWAY_SHADOW_MAX_IN_FLIGHT", "32"))
+if GATEWAY_SHADOW_MAX_IN_FLIGHT < 0:
+    raise ImproperlyConfigured("GATEWAY_SHADOW_MAX_IN_FLIGHT must be 0 or more")
 # Tokens reserved against tokens_per_minute for a request without max_tokens.
 GATEWAY_DEFAULT_COMPLETION_TOKENS = int(os.environ.get("GATEWAY_DEFAULT_COMPLETION_TOKENS", "256"))
 # Settled fleet energy rollups are attributed to tenants by tokens this often.

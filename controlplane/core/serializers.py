@@ -40,3 +40,12 @@ class StrictFieldsMixin:
 
 class StrictSerializer(StrictFieldsMixin, serializers.Serializer):
     pass
+
+
+class StrictBooleanField(serializers.BooleanField):
+    """A JSON boolean only: DRF's BooleanField would also take "yes", "on", 1 or "0"."""
+
+    def to_internal_value(self, data: Any) -> bool:
+        if not isinstance(data, bool):
+            self.fail("invalid", input=data)
+        return data

@@ -6,7 +6,8 @@ the response streams through from the agent as it arrives (pooled keep-alive
 connections, relay.py and upstream.py). After the response, its requests-stream entry and token
 settlement are queued; the admission, the entry and the settlement go to Redis with other
 requests' commands in one pipeline (recorder.py), and entries Redis does not take are
-spooled.
+spooled. While a routing table has a shadow route, admitted requests are copied to it in
+the background (shadow.py).
 
 `gateway_mount(django_app)` serves /v1/ here and everything else through Django.
 """
@@ -59,6 +60,7 @@ from controlplane.gateway.request_metrics import (
     request_observe,
 )
 from controlplane.gateway.selectors import KeyGrant
+from controlplane.gateway.shadow import Mirror, ShadowMirror
 from controlplane.gateway.spool import Spool
 from controlplane.gateway.upstream import UpstreamPool
 
@@ -128,6 +130,11 @@ class Gateway:
                 settings.GATEWAY_SPOOL_DIR, max_bytes=settings.GATEWAY_SPOOL_MAX_BYTES
             )
             self.batcher = RedisBatcher(self.redis, self.spool)
+            self.shadow = ShadowMirror(
+                self.relay.upstream,
+                self.batcher,
+                max_in_flight=settings.GATEWAY_SHADOW_MAX_IN_FLIGHT,
+            )
             self.loops = GatewayLoops(
                 redis_client=self.redis,
                 pubsub_redis=self.pubsub_redis,
@@ -160,6 +167,7 @@ class Gateway:
         for task in self._tasks:
             task.cancel()
         await _bounded(asyncio.gather(*self._tasks, return_exceptions=True), "loops", 5)
+        await _bounded(self.shadow.aclose(), "shadow requests", 2)  # copies: not waited for
         # The batcher finishes what is queued (or spools it) before the spool's last replay.
         self.batcher.close()
         await _bounded(self._batcher_task, "batcher", 15)
@@ -424,6 +432,7 @@ class Gateway:
         is_tracing = tracing.is_enabled()
         route_started_ns = time.time_ns() if is_tracing else 0
         version = choose_version(table, affinity_value, grant.tenant_slug)
+        shadows = self.shadow.draw(table, grant.tenant_slug) if version is not None else []
         if is_tracing:
             spans.route_chosen(route_started_ns, table, version, grant.tenant_slug)
         if version is None:
@@ -471,6 +480,22 @@ class Gateway:
                 is_usage_stripped = True
                 body = {**body, "stream_options": {**options, "include_usage": True}}
                 raw = json.dumps(body, separators=(",", ":")).encode()
+        if shadows:
+            mirrors = [
+                Mirror(
+                    version=shadow,
+                    table=table,
+                    grant=grant,
+                    kind=kind,
+                    path=path,
+                    body=raw,
+                    is_stream=is_stream,
+                    text=text,
+                    token_budget=reservation,
+                )
+                for shadow in shadows
+            ]
+            admit.add_done_callback(lambda future: self._mirror(future, mirrors))
         request_id = uuid.uuid4().hex
         outcome = Outcome()
         if is_stream:
@@ -523,6 +548,13 @@ class Gateway:
                         future, record, reservation, labels, gaps, is_tokens
                     )
                 )
+
+    def _mirror(self, admit: "asyncio.Future[Admission | None]", mirrors: list[Mirror]) -> None:
+        """Copy an admitted request to its shadow versions (a refused one to none)."""
+        if admit.cancelled() or admit.exception() is not None:
+            return
+        for mirror in mirrors:
+            self.shadow.start(mirror)
 
     def _finish(
         self,

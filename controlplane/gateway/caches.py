@@ -198,8 +198,8 @@ def choose_version(
     while the weights stay; when the canary's share grows, callers already on it stay on
     it (its slice only widens).
     """
-    weights = table.weights_for(tenant_slug)
-    candidates = [v for v in table.versions if weights[v.version_id] > 0 and v.endpoints]
+    weights = table.weights_for(tenant_slug)  # shadow routes have none: never chosen
+    candidates = [v for v in table.versions if weights.get(v.version_id, 0) > 0 and v.endpoints]
     if not candidates:
         return None
     total = sum(weights[v.version_id] for v in candidates)

@@ -57,10 +57,14 @@ def rollout_analyze(*, rollout_id: int, window_end: datetime) -> AnalysisRun | N
     policy = rollout_policy(rollout)
     window_start = max(rollout.stage_started_at, window_end - timedelta(seconds=policy.window_s))
     tenants = stage["tenants"] or None
+    # In a shadow stage the canary's samples are the requests mirrored to it; the
+    # baseline's are always the requests it answered.
+    is_shadow = bool(stage.get("shadow", False))
     # A full-weight stage sends the baseline nothing: its reference is its last window
     # before the stage, and latency is judged by the absolute limits only (the canary now
-    # carries the baseline's share too, so a rank test would compare unequal loads).
-    full_weight = stage["weight"] == 100
+    # carries the baseline's share too, so a rank test would compare unequal loads). A
+    # shadow stage leaves the baseline every request, whatever its weight.
+    full_weight = stage["weight"] == 100 and not is_shadow
     baseline_end = rollout.stage_started_at if full_weight else window_end
     baseline_start = (
         baseline_end - timedelta(seconds=policy.window_s) if full_weight else window_start
@@ -69,10 +73,17 @@ def rollout_analyze(*, rollout_id: int, window_end: datetime) -> AnalysisRun | N
         version_id=rollout.baseline_id, start=baseline_start, end=baseline_end, tenant_slugs=tenants
     )
     canary = selectors.request_samples_window(
-        version_id=rollout.candidate_id, start=window_start, end=window_end, tenant_slugs=tenants
+        version_id=rollout.candidate_id,
+        start=window_start,
+        end=window_end,
+        tenant_slugs=tenants,
+        is_shadow=is_shadow,
     )
     canary_in_stage = selectors.request_count(
-        version_id=rollout.candidate_id, start=rollout.stage_started_at, end=window_end
+        version_id=rollout.candidate_id,
+        start=rollout.stage_started_at,
+        end=window_end,
+        is_shadow=is_shadow,
     )
     result = analysis.analyze(
         baseline=baseline, canary=canary, policy=policy, compare_latency=not full_weight

@@ -80,6 +80,7 @@ def _desired_routing(deployment: Deployment, rollout: Rollout | None) -> Desired
     canary_id = None
     weight = 0
     tenants: list[str] = []
+    is_shadow = False
     preload = [deployment.stable_version_id]
     replicas = {str(deployment.stable_version_id): deployment.stable_replicas}
     if rollout is not None:
@@ -91,6 +92,7 @@ def _desired_routing(deployment: Deployment, rollout: Rollout | None) -> Desired
             canary_id = rollout.candidate_id
             weight = stage["weight"]
             tenants = list(stage["tenants"])
+            is_shadow = bool(stage.get("shadow", False))
         # Evaluations run against an agent serving the candidate, before any traffic.
         serving_states = {RolloutState.GATING, RolloutState.RUNNING, RolloutState.PAUSED}
         if rollout.state in serving_states and rollout.candidate_id not in preload:
@@ -101,6 +103,7 @@ def _desired_routing(deployment: Deployment, rollout: Rollout | None) -> Desired
         "canary_version_id": canary_id,
         "canary_weight": weight,
         "canary_tenants": tenants,
+        "canary_shadow": is_shadow,
         "preload_version_ids": preload,
         "replicas": replicas,
     }

@@ -6,7 +6,7 @@ match. Every rollout transition rewrites the desired routing and bumps the revis
 the same transaction as the state change and its audit event.
 """
 
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 from django.conf import settings
 from django.db import models
@@ -16,10 +16,13 @@ from django.utils import timezone
 class Stage(TypedDict):
     """One stage of a rollout's plan (`Rollout.stages`), as stages.stages_validate keeps it."""
 
-    weight: int  # percent of requests to the candidate, 1-100
+    weight: int  # percent of requests to the candidate (mirrored to it when shadow), 1-100
     min_duration_s: float
     min_requests: int
     tenants: list[str]  # tenant slugs the stage applies to; [] = every tenant
+    # True: the stable version answers every request and `weight` percent of them are
+    # mirrored to the candidate, whose answers are discarded. Present only when true.
+    shadow: NotRequired[bool]
 
 
 class DesiredRouting(TypedDict):
@@ -29,6 +32,9 @@ class DesiredRouting(TypedDict):
     canary_version_id: int | None
     canary_weight: int  # 0-100
     canary_tenants: list[str]  # [] = every tenant
+    # True during a shadow stage: the canary weight is a mirror share, and the stable
+    # version answers every request. Absent in rows written before shadow stages.
+    canary_shadow: bool
     preload_version_ids: list[int]  # versions an agent must serve (the candidate while gating)
     # How many agents serve each of them: {str(version id): replicas}; absent for rows
     # written before replicas (one each).

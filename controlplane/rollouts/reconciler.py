@@ -32,9 +32,7 @@ from django.db.models import Max, Q
 from django.utils import timezone
 
 from contracts import tracing
-from contracts.routing import (
-    VersionRoute,
-)
+from contracts.routing import ROLE_SHADOW, VersionRoute
 from controlplane.core.errors import DomainError
 from controlplane.core.redis_clients import redis_client
 from controlplane.fleet.endpoint_checks import endpoints_verify
@@ -287,6 +285,7 @@ def _reconcile(deployment_id: int, client: redis.Redis, view: FleetView) -> Reco
     previous_id = view.previous_stable(deployment.pk, stable_id)
     weight = int(desired.get("canary_weight") or 0)
     tenants = desired.get("canary_tenants") or []
+    is_shadow = bool(desired.get("canary_shadow", False))  # absent in rows from before
     loads, secrets = view.loads, view.secrets
     routable = [v for v in dict.fromkeys([stable_id, canary_id, previous_id]) if v is not None]
     serving = [
@@ -337,15 +336,16 @@ def _reconcile(deployment_id: int, client: redis.Redis, view: FleetView) -> Reco
                 deployment.refresh_from_db()
                 desired = deployment.desired_routing
                 report.revision = deployment.routing_revision
-                canary_id, weight, tenants = None, 0, []
+                canary_id, weight, tenants, is_shadow = None, 0, [], False
 
     # Routing: only ready agents; a canary without one gets no weight and the stable
     # version keeps every request. A tenant-scoped stage keeps the table's weights on the
-    # stable version and gives the named tenants their own split.
+    # stable version and gives the named tenants their own split. In a shadow stage the
+    # stable version answers everything and the canary's weight is its mirror share.
     stable_endpoints = ready_endpoints(stable_id)
     canary_endpoints = ready_endpoints(canary_id) if canary_id is not None else []
     effective = weight if canary_endpoints else 0
-    shared = 0 if tenants else effective  # the canary's weight for every tenant
+    shared = 0 if tenants or is_shadow else effective  # the canary's answering weight
     version_rows = ModelVersion.objects.filter(
         pk__in=[stable_id, canary_id or 0, previous_id or 0]
     ).values_list("pk", "label", "serving_config", "status")
@@ -359,7 +359,7 @@ def _reconcile(deployment_id: int, client: redis.Redis, view: FleetView) -> Reco
     routed_stable_id = stable_id
     if (
         not stable_endpoints
-        and not canary_endpoints
+        and (not canary_endpoints or is_shadow)  # a shadow canary answers nothing
         and previous_id is not None
         and previous_id not in revoked
         and ready_endpoints(previous_id)
@@ -370,7 +370,10 @@ def _reconcile(deployment_id: int, client: redis.Redis, view: FleetView) -> Reco
     versions = []
     # A revoked stable version leaves the table: its share goes to the canary if there is
     # one, else the model has no route (the gateway answers 503) until a new stable one.
-    if routed_stable_id not in revoked and (100 - shared > 0 or not canary_endpoints):
+    is_stable_routed = routed_stable_id not in revoked and (
+        100 - shared > 0 or not canary_endpoints
+    )
+    if is_stable_routed:
         versions.append(
             VersionRoute(
                 version_id=routed_stable_id,
@@ -382,27 +385,34 @@ def _reconcile(deployment_id: int, client: redis.Redis, view: FleetView) -> Reco
                 role="stable",
             )
         )
-    if canary_id is not None and effective > 0:
+    # A shadow is mirrored only beside a version that answers (a revoked stable version
+    # leaves the model without a route; a shadow never takes its share).
+    if canary_id is not None and effective > 0 and (is_stable_routed or not is_shadow):
         versions.append(
             VersionRoute(
                 version_id=canary_id,
                 label=labels.get(canary_id, str(canary_id)),
-                weight=shared,
+                # the mirror share for every tenant, or 0 when only the stage's tenants'
+                weight=(0 if tenants else effective) if is_shadow else shared,
                 endpoints=tuple(canary_endpoints),
                 max_model_len=context_lengths.get(canary_id, 0),
                 endpoint_secrets=endpoint_secrets(canary_id),
-                role="canary",
+                role=ROLE_SHADOW if is_shadow else "canary",
             )
         )
-    tenant_weights = (
-        {
-            slug: {canary_id: effective}
-            | ({} if stable_id in revoked else {stable_id: 100 - effective})
-            for slug in tenants
-        }
-        if tenants and canary_id is not None and effective > 0
-        else {}
-    )
+    tenant_weights: dict[str, dict[int, int]] = {}
+    if tenants and canary_id is not None and effective > 0:
+        if is_shadow:  # the stage's tenants answered by the stable version, mirrored at `effective`
+            if is_stable_routed:
+                tenant_weights = {
+                    slug: {routed_stable_id: 100, canary_id: effective} for slug in tenants
+                }
+        else:
+            tenant_weights = {
+                slug: {canary_id: effective}
+                | ({} if stable_id in revoked else {stable_id: 100 - effective})
+                for slug in tenants
+            }
     routing_table_publish(
         client=client,
         deployment=deployment.name,

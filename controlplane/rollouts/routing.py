@@ -39,8 +39,8 @@ def routing_table_publish(
 
     `versions`: each a VersionRoute or a mapping with version_id, label, weight (0..100),
     endpoints (base URLs of ready agents), endpoint_secrets ({endpoint: its engine's
-    serving secret}), max_model_len (0 or absent: not known) and role (stable or canary;
-    absent: not said).
+    serving secret}), max_model_len (0 or absent: not known) and role (stable, canary, or
+    shadow: mirrored `weight` percent of requests, never answering; absent: not said).
     `tenant_weights`: {tenant slug: {version_id: weight}} for the tenants of a
     tenant-scoped stage.
     """

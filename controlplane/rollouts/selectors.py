@@ -62,8 +62,10 @@ def request_samples_window(
     start: datetime,
     end: datetime,
     tenant_slugs: Sequence[str] | None = None,
+    is_shadow: bool = False,
 ) -> Samples:
-    """One version's samples finished in (start, end], latencies in milliseconds.
+    """One version's samples finished in (start, end], latencies in milliseconds: of the
+    requests it answered, or (`is_shadow`) of those mirrored to it in a shadow stage.
 
     ITL is each request's mean inter-token latency; TTFT and ITL exist for streamed
     requests only, errors for every request. Joules per token and the load (tokens per
@@ -71,7 +73,7 @@ def request_samples_window(
     window.
     """
     rows = RequestSample.objects.filter(
-        version_id=version_id, finished_at__gt=start, finished_at__lte=end
+        version_id=version_id, finished_at__gt=start, finished_at__lte=end, is_shadow=is_shadow
     )
     if tenant_slugs:
         rows = rows.filter(tenant__slug__in=list(tenant_slugs))
@@ -116,9 +118,12 @@ def energy_figures(
     return joules / tokens, tokens / len(agents) / (end - start).total_seconds()
 
 
-def request_count(*, version_id: int, start: datetime, end: datetime) -> int:
+def request_count(
+    *, version_id: int, start: datetime, end: datetime, is_shadow: bool = False
+) -> int:
+    """The version's requests answered (or, `is_shadow`, mirrored to it) in (start, end]."""
     return RequestSample.objects.filter(
-        version_id=version_id, finished_at__gt=start, finished_at__lte=end
+        version_id=version_id, finished_at__gt=start, finished_at__lte=end, is_shadow=is_shadow
     ).count()
 
 

@@ -3,7 +3,7 @@ from typing import Any
 
 from rest_framework import serializers
 
-from controlplane.core.serializers import StrictSerializer
+from controlplane.core.serializers import StrictBooleanField, StrictSerializer
 from controlplane.registry.models import EvalSuite, ModelVersion
 from controlplane.rollouts.models import (
     AnalysisRun,
@@ -179,6 +179,12 @@ class StageSerializer(StrictSerializer):
     min_duration_s = serializers.FloatField(min_value=0, required=False, default=60)
     min_requests = serializers.IntegerField(min_value=0, required=False, default=0)
     tenants = serializers.ListField(child=serializers.SlugField(), required=False, default=list)
+    shadow = StrictBooleanField(
+        required=False,
+        default=False,
+        help_text="Mirror `weight` percent of requests to the candidate without answering "
+        "from it; the stable version answers every request. Not allowed on the last stage.",
+    )
 
 
 class RolloutCreateSerializer(StrictSerializer):

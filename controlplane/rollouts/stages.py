@@ -31,7 +31,7 @@ def stages_validate(
     if not isinstance(stages, list | tuple) or not stages:
         raise DomainError("invalid_stages", "A stage plan is a non-empty list of stages.")
     normalized: list[Stage] = []
-    known = {"weight", "min_duration_s", "min_requests", "tenants"}
+    known = {"weight", "min_duration_s", "min_requests", "tenants", "shadow"}
     for index, stage in enumerate(stages):
 
         def refuse(message: str, index: int = index) -> DomainError:
@@ -56,6 +56,9 @@ def stages_validate(
         tenants = stage.get("tenants", [])
         if not isinstance(tenants, list) or not all(isinstance(t, str) and t for t in tenants):
             raise refuse("tenants must be a list of tenant slugs.")
+        is_shadow = stage.get("shadow", False)
+        if not isinstance(is_shadow, bool):
+            raise refuse("shadow must be true or false.")
         normalized.append(
             Stage(
                 weight=weight,
@@ -64,7 +67,17 @@ def stages_validate(
                 tenants=sorted(set(tenants)),
             )
         )
-    if normalized[-1]["tenants"]:
+        if is_shadow:  # kept only when true: plans without shadow stages read as before
+            normalized[-1]["shadow"] = True
+    last = len(normalized) - 1
+    if normalized[last].get("shadow"):
+        message = (
+            "the last stage cannot be a shadow stage (the plan must end serving the candidate)."
+        )
+        raise DomainError(
+            "invalid_stages", f"Stage {last}: {message}", fields={"stages": {last: message}}
+        )
+    if normalized[last]["tenants"]:
         raise DomainError(
             "invalid_stages", "The last stage must serve every tenant (no tenant list)."
         )

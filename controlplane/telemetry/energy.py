@@ -50,7 +50,8 @@ def energy_interval_attribute(
 ) -> EnergyAllocation | None:
     """Attribute one agent's measured energy over an interval to tenants by tokens.
 
-    Tokens are those of requests the agent (endpoint) finished in [start, end). The shares
+    Tokens are those of requests the agent (endpoint) finished in [start, end), mirrored
+    ones left out. The shares
     go to each tenant x version's UsageRecord of the interval's first minute. Done at most
     once per `source_key` (None when it was done before): safe to call again on replays.
     """
@@ -59,8 +60,12 @@ def energy_interval_attribute(
     if energy_joules < 0:
         raise DomainError("invalid_energy", "Energy cannot be negative.")
     tokens: dict[tuple[int, int], int] = defaultdict(int)
+    # Mirrored requests are no tenant's usage: a shadow version's energy goes to no one.
     rows = RequestSample.objects.filter(
-        agent=agent.rstrip("/"), finished_at__gte=interval_start, finished_at__lt=interval_end
+        agent=agent.rstrip("/"),
+        finished_at__gte=interval_start,
+        finished_at__lt=interval_end,
+        is_shadow=False,
     ).values_list("tenant_id", "version_id", "prompt_tokens", "completion_tokens")
     for tenant_id, version_id, prompt_tokens, completion_tokens in rows:
         tokens[(tenant_id, version_id)] += prompt_tokens + completion_tokens

@@ -2,7 +2,8 @@
 tenants that log them, and energy bookkeeping.
 
 Usage itself lives in `tenants.UsageRecord`; ingest adds to it in the same transaction
-that inserts the request's sample, so a sample exists exactly when its usage was counted.
+that inserts the request's sample, so a sample exists exactly when its usage was counted
+(a mirrored request's sample, `is_shadow`, is never usage).
 The tables keep the names they had in the gateway app (moved with their data in place).
 """
 
@@ -35,6 +36,9 @@ class RequestSample(models.Model):
     prompt_tokens = models.PositiveIntegerField()
     completion_tokens = models.PositiveIntegerField()
     finished_at = models.DateTimeField()
+    # A copy mirrored to a shadow version (its answer went to no one): a sample of that
+    # version for the canary analysis, never usage, energy or a tenant's request count.
+    is_shadow = models.BooleanField(default=False)
 
     class Meta:
         db_table = "gateway_requestsample"

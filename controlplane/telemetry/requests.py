@@ -130,5 +130,5 @@ class RequestsStreamHandler:
         for version_id in sorted({item.version_id for item in items}):
             for check in VERSION_CHECKS:
                 check(version_id=version_id)
-        for tenant_id in sorted({item.tenant_id for item in items}):
+        for tenant_id in sorted({item.tenant_id for item in items if not item.is_shadow}):
             publish_event(tenant_live_group(tenant_id), "usage.updated", {"tenant": tenant_id})

@@ -4,7 +4,9 @@ Every write is idempotent: a request's sample is inserted once (by request id) a
 newly inserted requests are added to the per-minute UsageRecord rows, in one
 transaction, so an entry delivered twice is counted once. A prompt record is kept only
 for a tenant whose `prompt_logging` is `full` when the entry is applied; otherwise the
-entry's prompt and completion text are discarded.
+entry's prompt and completion text are discarded. A mirrored request (`is_shadow`: a copy
+sent to a shadow version, answered to no one) gets its sample, for the canary analysis,
+and nothing else: no usage and no prompt record.
 """
 
 import logging
@@ -66,7 +68,7 @@ def request_records_apply(*, records: Sequence[RequestRecord]) -> int:
         return 0
     inserted = _samples_insert(known)
     new_records = [r for r in known if r.request_id in inserted]
-    _usage_add(new_records)
+    _usage_add([r for r in new_records if not r.is_shadow])
     prompts = [
         PromptRecord(
             request_id=r.request_id,
@@ -77,7 +79,9 @@ def request_records_apply(*, records: Sequence[RequestRecord]) -> int:
             finished_at=datetime.fromtimestamp(r.finished_at, tz=UTC),
         )
         for r in new_records
-        if r.prompt is not None and prompt_logging_of[r.tenant_id] == PromptLogging.FULL
+        if r.prompt is not None
+        and not r.is_shadow
+        and prompt_logging_of[r.tenant_id] == PromptLogging.FULL
     ]
     if prompts:
         PromptRecord.objects.bulk_create(prompts, ignore_conflicts=True)
@@ -105,6 +109,7 @@ def _samples_insert(records: Sequence[RequestRecord]) -> set[str]:
         "completion_tokens",
         "finished_at",
         "error_code",
+        "is_shadow",
     ]
     rows = []
     params: list[Any] = []
@@ -129,6 +134,7 @@ def _samples_insert(records: Sequence[RequestRecord]) -> set[str]:
                 r.completion_tokens,
                 adapt(datetime.fromtimestamp(r.finished_at, tz=UTC)),
                 r.error_code,
+                r.is_shadow,
             ]
         )
     # Only quoted identifiers from the models are formatted in; values are parameters.

@@ -53,6 +53,7 @@ def test_a_rollout_walks_every_stage_to_promoted(api, deployment, versions) -> N
         "canary_version_id": None,
         "canary_weight": 0,
         "canary_tenants": [],
+        "canary_shadow": False,
         "preload_version_ids": [versions[1].pk],
         "replicas": {str(versions[1].pk): 1},
     }

@@ -105,6 +105,7 @@ def test_undo_switches_routing_and_is_audited(api, deployment, versions) -> None
         "canary_version_id": None,
         "canary_weight": 0,
         "canary_tenants": [],
+        "canary_shadow": False,
         "preload_version_ids": [stable.pk],
         "replicas": {str(stable.pk): 1},
     }
