@@ -249,8 +249,7 @@ def routing_table_build(
     roles = {version.version_id: version.role for version in versions}
     if versions and not any(v.weight for v in versions if v.role != ROLE_SHADOW):
         raise RoutingContractError(
-            "versions: at least one weight of a version that answers (not a shadow) must be"
-            " positive"
+            "versions: at least one weight must be positive (a shadow's does not count)"
         )
     checked: dict[str, dict[int, int]] = {}
     for slug, weights in (tenant_weights or {}).items():
@@ -266,7 +265,7 @@ def routing_table_build(
                 raise RoutingContractError(f"{where}.{version_id}: weight must be within 0..100")
         if not any(w for v, w in weights.items() if roles.get(v) != ROLE_SHADOW):
             raise RoutingContractError(
-                f"{where}: at least one weight of a version that answers must be positive"
+                f"{where}: at least one weight must be positive (a shadow's does not count)"
             )
         checked[slug] = dict(weights)
     return RoutingTable(

@@ -176,3 +176,16 @@ def test_an_error_code_travels_with_the_record_and_is_checked() -> None:
 )
 def test_only_server_failures_count_against_a_version(status, is_fault) -> None:
     assert dataclasses.replace(RECORD, status=status).is_server_fault is is_fault
+
+
+def test_a_mirrored_requests_record_says_so_and_others_read_as_before() -> None:
+    mirrored = dataclasses.replace(RECORD, prompt=None, completion=None, is_shadow=True)
+    fields = mirrored.to_fields()
+    assert fields["is_shadow"] == "1"
+    assert parse_request_record(fields) == mirrored
+    assert "is_shadow" not in VALID  # an answered request's entry is unchanged
+    assert parse_request_record(VALID).is_shadow is False
+    assert parse_request_record({**VALID, "is_shadow": "0"}).is_shadow is False
+    for bad in ("true", "", "2"):
+        with pytest.raises(RoutingContractError, match="is_shadow: must be 0 or 1"):
+            parse_request_record({**VALID, "is_shadow": bad})

@@ -1,15 +1,19 @@
-"""The routing table contract: tenant weights for tenant-scoped canary stages."""
+"""The routing table contract: tenant weights for tenant-scoped canary stages, shadow
+routes for shadow stages."""
 
+import dataclasses
 import json
 
 import pytest
 
 from contracts.routing import (
+    Affinity,
     RoutingContractError,
     VersionRoute,
     parse_routing_table,
     routing_table_build,
 )
+from controlplane.gateway.caches import choose_version
 
 VERSIONS = [
     VersionRoute(version_id=1, label="stable", weight=100, endpoints=("http://a:1",)),
@@ -83,3 +87,67 @@ def test_a_versions_context_length_survives_the_round_trip_and_is_checked() -> N
         older["versions"][0]["max_model_len"] = bad
         with pytest.raises(RoutingContractError, match="max_model_len"):
             parse_routing_table(json.dumps(older))
+
+
+# Shadow routes: mirrored to, never chosen to answer.
+
+SHADOWED = [
+    VersionRoute(
+        version_id=1, label="stable", weight=100, endpoints=("http://a:1",), role="stable"
+    ),
+    VersionRoute(version_id=2, label="cand", weight=50, endpoints=("http://b:1",), role="shadow"),
+]
+
+
+def test_a_shadow_route_survives_the_round_trip_and_is_never_chosen_to_answer() -> None:
+    table = build(versions=SHADOWED)
+    parsed = parse_routing_table(table.to_json())
+    assert parsed == table
+    assert [(v.version_id, v.role, v.is_shadow) for v in parsed.versions] == [
+        (1, "stable", False),
+        (2, "shadow", True),
+    ]
+    assert parsed.weights_for(None) == {1: 100}
+    assert parsed.shadow_shares_for(None) == [(parsed.versions[1], 50)]
+    for affinity in (Affinity.NONE, Affinity.TENANT):
+        table = build(versions=SHADOWED, affinity=affinity)
+        chosen = {choose_version(table, str(caller), "acme") for caller in range(500)}
+        assert chosen == {table.versions[0]}
+    # Without a version that answers, nothing is chosen: never the shadow.
+    stable_gone = build(versions=[dataclasses.replace(SHADOWED[0], endpoints=()), SHADOWED[1]])
+    assert choose_version(stable_gone, None, None) is None
+
+
+def test_tenant_weights_scope_a_shadow_share_to_the_named_tenants() -> None:
+    versions = [SHADOWED[0], dataclasses.replace(SHADOWED[1], weight=0)]
+    table = parse_routing_table(
+        build(versions=versions, tenant_weights={"acme": {1: 100, 2: 25}}).to_json()
+    )
+    assert table.shadow_shares_for("acme") == [(table.versions[1], 25)]
+    assert table.shadow_shares_for("globex") == []
+    assert table.weights_for("acme") == {1: 100}
+    assert {choose_version(table, None, "acme") for _ in range(200)} == {table.versions[0]}
+    # A shadow without ready endpoints is mirrored to by no one.
+    idle = build(versions=[SHADOWED[0], dataclasses.replace(SHADOWED[1], endpoints=())])
+    assert idle.shadow_shares_for(None) == []
+
+
+@pytest.mark.parametrize(
+    ("versions", "tenant_weights", "message"),
+    [
+        # only a shadow has weight: no version answers
+        ([dataclasses.replace(SHADOWED[0], weight=0), SHADOWED[1]], None, "versions: at least"),
+        (
+            SHADOWED,
+            {"acme": {1: 0, 2: 100}},
+            "tenant_weights['acme']: at least one weight must be positive",
+        ),
+        ([dataclasses.replace(SHADOWED[1], role="mirror")], None, "role: must be stable, canary"),
+    ],
+)
+def test_a_table_no_version_of_which_answers_or_with_an_unknown_role_is_refused(
+    versions, tenant_weights, message
+) -> None:
+    with pytest.raises(RoutingContractError) as refused:
+        build(versions=versions, tenant_weights=tenant_weights)
+    assert message in str(refused.value)
