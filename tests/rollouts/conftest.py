@@ -93,12 +93,13 @@ def add_samples(
     itl_ms: list[float] | None = None,
     errors: list[bool] | None = None,
     step_s: float = 0.1,
+    is_shadow: bool = False,
 ) -> None:
     itl_ms = itl_ms or [20.0] * len(ttft_ms)
     errors = errors or [False] * len(ttft_ms)
     RequestSample.objects.bulk_create(
         RequestSample(
-            request_id=f"{version.pk:04x}{int(start.timestamp()):012x}{index:016x}",
+            request_id=f"{version.pk:04x}{int(start.timestamp()):012x}{int(is_shadow)}{index:015x}",
             tenant=tenant,
             version=version,
             deployment="smollm2",
@@ -114,6 +115,7 @@ def add_samples(
             prompt_tokens=10,
             completion_tokens=20,
             finished_at=start + timedelta(seconds=step_s * (index + 1)),
+            is_shadow=is_shadow,
         )
         for index, (ttft, itl, is_error) in enumerate(zip(ttft_ms, itl_ms, errors, strict=True))
     )

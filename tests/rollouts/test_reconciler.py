@@ -167,6 +167,53 @@ def test_a_tenant_scoped_stage_splits_only_the_named_tenants(
     assert table(redis_client).tenant_weights == {}
 
 
+def test_a_shadow_stage_publishes_the_candidate_as_a_shadow_beside_a_stable_at_100(
+    deployment, versions, tenant, redis_client
+) -> None:
+    stable, candidate = versions
+    tenant.allowed_models.add(candidate.model)
+    agent("gpu-0", stable)
+    agent("gpu-1", candidate)
+    stages = [
+        {"weight": 30, "min_duration_s": 60, "shadow": True},
+        {"weight": 40, "min_duration_s": 60, "shadow": True, "tenants": [tenant.slug]},
+        {"weight": 100, "min_duration_s": 60},
+    ]
+    rollout = running_rollout(deployment, candidate, stages=stages)
+    report = reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
+
+    published = table(redis_client)
+    assert [(v.version_id, v.role, v.weight, v.endpoints) for v in published.versions] == [
+        (stable.pk, "stable", 100, ("http://127.0.0.1:9000",)),
+        (candidate.pk, "shadow", 30, ("http://127.0.0.1:9001",)),
+    ]
+    assert set(published.versions[1].endpoint_secrets) == {"http://127.0.0.1:9001"}
+    assert published.weights_for(None) == {stable.pk: 100}  # the shadow never answers
+    assert published.shadow_shares_for(None) == [(published.versions[1], 30)]
+    assert report.weights == {stable.pk: 100, candidate.pk: 30}
+
+    # A tenant-scoped shadow stage mirrors the named tenants' requests only.
+    transitions.rollout_advance(actor=None, rollout_id=rollout.pk, reason="test")
+    reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
+    published = table(redis_client)
+    assert [(v.version_id, v.role, v.weight) for v in published.versions] == [
+        (stable.pk, "stable", 100),
+        (candidate.pk, "shadow", 0),
+    ]
+    assert published.tenant_weights == {tenant.slug: {stable.pk: 100, candidate.pk: 40}}
+    assert published.weights_for(tenant.slug) == {stable.pk: 100}
+    assert published.shadow_shares_for(tenant.slug) == [(published.versions[1], 40)]
+    assert published.shadow_shares_for("globex") == []
+
+    # The last stage serves the candidate: an answering canary again.
+    transitions.rollout_advance(actor=None, rollout_id=rollout.pk, reason="test")
+    reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
+    published = table(redis_client)
+    assert [(v.version_id, v.role, v.weight) for v in published.versions] == [
+        (candidate.pk, "canary", 100)
+    ]
+
+
 def test_a_stage_naming_an_unknown_tenant_is_refused(deployment, versions, tenant) -> None:
     stages: list[dict[str, Any]] = [{"weight": 50, "tenants": ["acme", "nobody"]}, {"weight": 100}]
     with pytest.raises(DomainError) as refused:
