@@ -1,5 +1,6 @@
 """Requests-stream ingest (idempotent, malformed entries dropped) and energy attribution."""
 
+import dataclasses
 import math
 import time
 import uuid
@@ -13,12 +14,13 @@ from controlplane.telemetry.energy import (
     energy_interval_attribute,
     energy_split,
 )
-from controlplane.telemetry.models import EnergyAllocation, RequestSample
+from controlplane.telemetry.models import EnergyAllocation, PromptRecord, RequestSample
 from controlplane.telemetry.streams import MALFORMED_TOTAL
 from controlplane.tenants.models import UsageRecord
 from tests.gateway.conftest import ingest_all, make_setup, signed_entry
 
 AGENT = "http://10.0.0.1:8101"
+SHADOW_AGENT = "http://10.0.0.2:8101"
 
 
 def record(setup, *, tenant=None, tokens=(10, 5), status=200, finished_at=None, agent=AGENT):
@@ -122,3 +124,50 @@ def test_energy_is_attributed_by_tokens_once(redis_client) -> None:
     assert again is None
     assert EnergyAllocation.objects.count() == 1
     assert sum(r.energy_joules for r in UsageRecord.objects.filter(tenant=first.tenant)) == 2.8
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_mirrored_request_is_a_sample_and_never_usage_energy_or_a_prompt(redis_client) -> None:
+    setup = make_setup(prompt_logging="full")
+    finished_at = time.time()
+    answered = dataclasses.replace(
+        record(setup, finished_at=finished_at), prompt="hi", completion="hello"
+    )
+    mirrored = dataclasses.replace(
+        record(setup, tokens=(10, 40), status=500, finished_at=finished_at, agent=SHADOW_AGENT),
+        version_id=setup.versions[1].pk,
+        prompt="hi",  # a gateway never sends it for a mirror; ingest keeps none anyway
+        completion="other",
+        is_shadow=True,
+    )
+    for entry in (answered, mirrored):
+        redis_client.xadd(REQUESTS_STREAM, signed_entry(entry))
+    ingest_all(redis_client)
+
+    samples = RequestSample.objects.filter(tenant=setup.tenant).order_by("status")
+    assert [(s.version_id, s.status, s.is_error, s.is_shadow) for s in samples] == [
+        (setup.versions[0].pk, 200, False, False),
+        (setup.versions[1].pk, 500, True, True),
+    ]
+    usage = UsageRecord.objects.get(tenant=setup.tenant)  # the answered request's only
+    assert (usage.version_id, usage.requests, usage.completion_tokens, usage.errors) == (
+        setup.versions[0].pk,
+        1,
+        5,
+        0,
+    )
+    assert list(PromptRecord.objects.values_list("request_id", flat=True)) == [answered.request_id]
+
+    # The shadow agent's energy is no tenant's: nothing is attributed.
+    start = datetime.fromtimestamp(finished_at - 1, tz=UTC)
+    allocation = energy_interval_attribute(
+        source_key=f"shadow-{uuid.uuid4().hex}",
+        agent=SHADOW_AGENT,
+        interval_start=start,
+        interval_end=start + timedelta(seconds=2),
+        energy_joules=50.0,
+    )
+    assert allocation is not None
+    assert (allocation.tokens, allocation.attributed_joules, allocation.shares) == (0, 0.0, [])
+    assert UsageRecord.objects.filter(tenant=setup.tenant).count() == 1
+    assert UsageRecord.objects.get(tenant=setup.tenant).energy_joules == 0.0
