@@ -9,7 +9,7 @@ discards it, so it never delays, fails or changes the client's response. At most
 `max_in_flight` copies run at once per gateway process; one beyond that is dropped.
 `gateway_shadow_requests_total{outcome}` counts them: `sent` (the engine answered, with
 whatever status), `failed` (no answer: no agent, refused, timed out, a broken stream),
-`dropped` (over the bound).
+`dropped` (over the bound); `gateway_shadow_requests_in_flight` is those under way.
 
 Each copy becomes a requests-stream entry with `is_shadow` set, under the tenant and key
 of the request it copies (a tenant-scoped stage's analysis reads by tenant), with its own
@@ -26,7 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from contracts.routing import RoutingTable, VersionRoute
 from controlplane.gateway.metering import StreamMeter
@@ -45,6 +45,9 @@ SHADOW_REQUESTS = Counter(
 )
 for _outcome in ("sent", "failed", "dropped"):  # every series exists from the start
     SHADOW_REQUESTS.labels(_outcome)
+SHADOW_IN_FLIGHT = Gauge(
+    "gateway_shadow_requests_in_flight", "Copies of requests under way to a shadow version"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +93,12 @@ class ShadowMirror:
             return
         task = asyncio.get_running_loop().create_task(self._send(mirror))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        SHADOW_IN_FLIGHT.inc()
+        task.add_done_callback(self._done)
+
+    def _done(self, task: "asyncio.Task[None]") -> None:
+        self._tasks.discard(task)
+        SHADOW_IN_FLIGHT.dec()
 
     async def aclose(self) -> None:
         """Cancel the copies under way (their entries are not written)."""
