@@ -30,7 +30,9 @@ from controlplane.rollouts.stages import DEFAULT_POLICY, DEFAULT_STAGES
 from controlplane.tenants import selectors as tenant_selectors
 
 STAGE_NUMBER_FIELDS = ("weight", "min_duration_s", "min_requests")
-STAGE_FIELD_PATTERN = re.compile(r"^stages-(\d{1,4})-(weight|min_duration_s|min_requests|tenants)$")
+STAGE_FIELD_PATTERN = re.compile(
+    r"^stages-(\d{1,4})-(weight|min_duration_s|min_requests|tenants|shadow)$"
+)
 # Blank rows under the plan, so that a browser without JavaScript can add stages too.
 SPARE_STAGE_ROWS = 2
 # Refusals the service names no field for, placed next to the field they are about.
@@ -50,11 +52,13 @@ class StageRow:
     min_duration_s: str = ""
     min_requests: str = ""
     tenants: list[str] = field(default_factory=list)
+    is_shadow: bool = False  # the checkbox: mirror the weight's share, answer from stable
     errors: dict[str, list[str]] = field(default_factory=dict)  # field, or "row" for the stage
 
     @property
     def is_blank(self) -> bool:
-        return not any(getattr(self, name) for name in STAGE_NUMBER_FIELDS) and not self.tenants
+        has_number = any(getattr(self, name) for name in STAGE_NUMBER_FIELDS)
+        return not has_number and not self.tenants and not self.is_shadow
 
     def body(self) -> dict[str, Any]:
         """The stage as the API takes it: blank fields left out (the API's defaults)."""
@@ -62,6 +66,8 @@ class StageRow:
             name: getattr(self, name) for name in STAGE_NUMBER_FIELDS if getattr(self, name)
         }
         stage["tenants"] = list(self.tenants)
+        if self.is_shadow:
+            stage["shadow"] = True
         return stage
 
 
@@ -136,6 +142,7 @@ class RolloutStartForm:
                     min_duration_s=_number_text(stage["min_duration_s"]),
                     min_requests=str(stage["min_requests"]),
                     tenants=list(stage["tenants"]),
+                    is_shadow=bool(stage.get("shadow", False)),
                 )
                 for stage in DEFAULT_STAGES
             ]
@@ -165,6 +172,8 @@ class RolloutStartForm:
             name = match[2]
             if name == "tenants":
                 row.tenants = [slug for slug in data.getlist(key) if slug]
+            elif name == "shadow":  # a checkbox: sent only when ticked
+                row.is_shadow = True
             else:
                 setattr(row, name, data.get(key, "").strip())
         return [rows[number] for number in sorted(rows) if not rows[number].is_blank]

@@ -316,3 +316,26 @@ def test_canary_replicas_go_with_the_plan_and_a_bad_count_is_shown_by_its_field(
     rollout = Rollout.objects.get(deployment=batch)
     assert (rollout.canary_replicas_min, rollout.canary_replicas_max) == (2, 4)
     assert rollout.canary_replicas == 2
+
+
+def test_a_ticked_shadow_box_makes_a_shadow_stage_and_not_on_the_last_stage(
+    world, batch, client_for
+) -> None:
+    client = client_for(Role.RELEASE_MANAGER)
+    html = client.get(_page(world)).content.decode()
+    assert 'name="stages-0-shadow" value="1"' in html
+    assert 'name="stages-0-shadow" value="1" checked' not in html  # the default plan has none
+    before = _counts()
+    response = client.post(_url(world), _plan(**{"stages-4-shadow": "1"}))
+    assert response.status_code == 400
+    page = response.content.decode()
+    assert _errors(page, "stages-2") == [
+        "the last stage cannot be a shadow stage (the plan must end serving the candidate)."
+    ]
+    assert 'name="stages-2-shadow" value="1" checked' in page  # what the user ticked stays
+    assert _counts() == before
+
+    response = client.post(_url(world), _plan(**{"stages-1-shadow": "1"}))
+    assert response.status_code == 302
+    rollout = Rollout.objects.get(deployment=batch)
+    assert [stage.get("shadow", False) for stage in rollout.stages] == [False, True, False]
