@@ -228,14 +228,21 @@ class Relay:
 
     @staticmethod
     async def send_upstream_error(send, outcome: Outcome, exc: UpstreamError) -> None:
-        is_timeout = isinstance(exc, UpstreamTimeout)
-        outcome.status = 504 if is_timeout else 502
-        outcome.error_code = "upstream_timeout" if is_timeout else "upstream_error"
+        upstream_failure_note(outcome, exc)
         outcome.is_complete = True
         body = error_body(
             outcome.status,
-            "upstream_timeout" if is_timeout else "upstream_error",
-            "The agent did not answer in time." if is_timeout else "The agent failed.",
+            outcome.error_code,
+            "The agent did not answer in time."
+            if isinstance(exc, UpstreamTimeout)
+            else "The agent failed.",
             "server_error",
         )
         await send_json(send, outcome.status, body)
+
+
+def upstream_failure_note(outcome: Outcome, exc: UpstreamError) -> None:
+    """The status and code of a request its agent did not answer: 504 when it timed out."""
+    is_timeout = isinstance(exc, UpstreamTimeout)
+    outcome.status = 504 if is_timeout else 502
+    outcome.error_code = "upstream_timeout" if is_timeout else "upstream_error"

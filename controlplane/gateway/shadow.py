@@ -32,9 +32,9 @@ from contracts.routing import RoutingTable, VersionRoute
 from controlplane.gateway.metering import StreamMeter
 from controlplane.gateway.outcome import Outcome, request_record
 from controlplane.gateway.recorder import RedisBatcher
-from controlplane.gateway.relay import AgentRequest, Relay
+from controlplane.gateway.relay import AgentRequest, Relay, upstream_failure_note
 from controlplane.gateway.selectors import KeyGrant
-from controlplane.gateway.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
+from controlplane.gateway.upstream import UpstreamError, UpstreamPool
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +81,6 @@ class ShadowMirror:
             for version, share in table.shadow_shares_for(tenant_slug)
             if random.random() * 100 < share
         ]
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._tasks)
 
     def start(self, mirror: Mirror) -> None:
         """Send the copy in the background, unless `max_in_flight` already run."""
@@ -147,7 +143,7 @@ class ShadowMirror:
         try:
             connected = await self.relay.connect(outcome, request)
         except UpstreamError as exc:
-            self._unanswered(outcome, exc)
+            upstream_failure_note(outcome, exc)
             return False
         if connected is None:
             outcome.status = 503
@@ -169,14 +165,8 @@ class ShadowMirror:
                 _, buffer = meter.feed_bytes(data, time.perf_counter())
             return True
         except UpstreamError as exc:
-            self._unanswered(outcome, exc)
+            upstream_failure_note(outcome, exc)
             return False
         finally:
             self.relay.outstanding[endpoint] -= 1
             response.close()
-
-    @staticmethod
-    def _unanswered(outcome: Outcome, exc: UpstreamError) -> None:
-        is_timeout = isinstance(exc, UpstreamTimeout)
-        outcome.status = 504 if is_timeout else 502
-        outcome.error_code = "upstream_timeout" if is_timeout else "upstream_error"
