@@ -73,7 +73,8 @@ def rollout_actions(user: Any, rollout: Rollout) -> list[dict[str, Any]]:
 def stage_label(rollout: Rollout) -> str:
     stage = rollout.current_stage
     if rollout.state in {RolloutState.RUNNING, RolloutState.PAUSED} and stage is not None:
-        return f"{rollout.stage_index + 1}/{len(rollout.stages)} at {stage['weight']}%"
+        shadow = " shadow" if stage.get("shadow") else ""  # mirrored, not answered
+        return f"{rollout.stage_index + 1}/{len(rollout.stages)} at {stage['weight']}%{shadow}"
     return f"0/{len(rollout.stages)}" if rollout.state in ACTIVE_STATES else "-"
 
 

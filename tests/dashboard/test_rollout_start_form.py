@@ -339,3 +339,9 @@ def test_a_ticked_shadow_box_makes_a_shadow_stage_and_not_on_the_last_stage(
     assert response.status_code == 302
     rollout = Rollout.objects.get(deployment=batch)
     assert [stage.get("shadow", False) for stage in rollout.stages] == [False, True, False]
+    plan = client.get(f"/rollouts/{rollout.pk}/").content.decode()
+    assert [unescape(w) for w in re.findall(r'<span class="weight">(.*?)</span>', plan)] == [
+        "10%",
+        "50% shadow",
+        "100%",
+    ]
