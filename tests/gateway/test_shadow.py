@@ -22,9 +22,11 @@ from tests.gateway.conftest import (
     Setup,
     client_for,
     endpoint_secrets,
+    free_port,
     ingest_all,
     make_setup,
-    stream_records,
+    start_gateway,
+    stop_gateway,
     wait_for_fresh_window,
     wait_for_model,
     wait_for_records,
@@ -39,7 +41,16 @@ SHARE = 50
 LOW, HIGH = (int(bound) for bound in binom.interval(1 - 1e-6, REQUESTS, SHARE / 100))
 
 
-def publish(setup: Setup, engines: list[str], client: redis.Redis, **tenant_weights) -> None:
+def publish(
+    setup: Setup,
+    engines: list[str],
+    client: redis.Redis,
+    *,
+    share: int = SHARE,
+    tenant_weights: dict[str, dict[int, int]] | None = None,
+) -> None:
+    """The stable version on the first engine answers; the candidate on the second (or
+    `engines[1]`, whatever it is) is the shadow, mirrored `share` % of requests."""
     stable, candidate = setup.versions
     routing_table_publish(
         deployment="smollm2",
@@ -57,7 +68,7 @@ def publish(setup: Setup, engines: list[str], client: redis.Redis, **tenant_weig
             {
                 "version_id": candidate.pk,
                 "label": candidate.label,
-                "weight": SHARE,
+                "weight": share,
                 "endpoints": [engines[1]],
                 "endpoint_secrets": endpoint_secrets([engines[1]]),
                 "max_model_len": 2048,
@@ -164,28 +175,79 @@ def test_mirrored_requests_are_the_candidates_samples_and_never_the_tenants_usag
     assert PromptRecord.objects.filter(tenant=setup.tenant).count() == REQUESTS
 
 
-def test_a_refused_request_is_never_mirrored(stores, engines, gateways) -> None:
+def test_a_tenant_scoped_share_mirrors_that_tenant_only_and_never_a_refused_request(
+    stores, engines, gateways
+) -> None:
     setup = make_setup(requests_per_minute=1)
+    other = make_setup()
     gateway = gateways[0]
     wait_for_model(gateway, setup.raw_key, "smollm2", present=False)
-    # This tenant's every admitted request is mirrored (a tenant-scoped share of 100 %).
+    # This tenant's every admitted request is mirrored; no one else's.
     stable, candidate = setup.versions
-    publish(setup, engines, stores, **{setup.tenant.slug: {stable.pk: 100, candidate.pk: 100}})
+    scoped = {setup.tenant.slug: {stable.pk: 100, candidate.pk: 100}}
+    publish(setup, engines, stores, share=0, tenant_weights=scoped)
     wait_for_model(gateway, setup.raw_key, "smollm2")
     wait_for_fresh_window(stores, needed_s=15)
     before = shadow_counts(gateway.url)
-    client = client_for(gateway, setup.raw_key)
 
-    ask(client, 0)
-    with pytest.raises(openai.RateLimitError):
-        ask(client, 1)
+    ask(client_for(gateway, setup.raw_key), 0)
+    with pytest.raises(openai.RateLimitError):  # refused by the tenant's limit
+        ask(client_for(gateway, setup.raw_key), 1)
+    for index in range(3):
+        ask(client_for(gateway, other.raw_key), index)
     wait_until(lambda: shadow_counts(gateway.url)["in_flight"] == 0, timeout=60)
 
     after = shadow_counts(gateway.url)
     assert after["sent"] - before["sent"] == 1
-    records: list[RequestRecord] = wait_for_records(stores, 2)
-    assert sorted((r.version_id, r.is_shadow) for r in stream_records(stores)) == [
-        (stable.pk, False),
-        (candidate.pk, True),
-    ]
-    assert len(records) == 2
+    records: list[RequestRecord] = wait_for_records(stores, 5)
+    assert sorted((r.tenant_id, r.version_id, r.is_shadow) for r in records) == sorted(
+        [(setup.tenant.pk, stable.pk, False), (setup.tenant.pk, candidate.pk, True)]
+        + [(other.tenant.pk, stable.pk, False)] * 3
+    )
+
+
+def test_a_shadow_that_fails_is_recorded_as_its_fault_and_the_client_never_sees_it(
+    stores, engines, gateways
+) -> None:
+    setup = make_setup()
+    stable, candidate = setup.versions
+    gateway = gateways[0]
+    wait_for_model(gateway, setup.raw_key, "smollm2", present=False)
+    unreachable = f"http://127.0.0.1:{free_port()}"
+    publish(setup, [engines[0], unreachable], stores, share=100)
+    wait_for_model(gateway, setup.raw_key, "smollm2")
+    before = shadow_counts(gateway.url)
+    client = client_for(gateway, setup.raw_key)
+
+    for index in range(4):
+        ask(client, index)  # each answered by the stable version
+    wait_until(lambda: shadow_counts(gateway.url)["in_flight"] == 0, timeout=60)
+
+    after = shadow_counts(gateway.url)
+    assert (after["sent"] - before["sent"], after["failed"] - before["failed"]) == (0, 4)
+    records = wait_for_records(stores, 8)
+    assert sorted((r.version_id, r.status, r.error_code, r.is_shadow) for r in records) == sorted(
+        [(stable.pk, 200, "", False)] * 4 + [(candidate.pk, 503, "no_ready_agent", True)] * 4
+    )
+    ingest_all(stores)
+    faults = RequestSample.objects.filter(version_id=candidate.pk, is_shadow=True, is_error=True)
+    assert faults.count() == 4
+    assert UsageRecord.objects.get(tenant=setup.tenant).errors == 0
+
+
+def test_copies_beyond_the_bound_in_flight_are_dropped(stores, engines, tmp_path) -> None:
+    setup = make_setup()
+    gateway = start_gateway(tmp_path, tmp_path / "spool", GATEWAY_SHADOW_MAX_IN_FLIGHT="0")
+    try:
+        publish(setup, engines, stores, share=100)
+        wait_for_model(gateway, setup.raw_key, "smollm2")
+        before = shadow_counts(gateway.url)
+        client = client_for(gateway, setup.raw_key)
+        for index in range(3):
+            ask(client, index)
+        after = shadow_counts(gateway.url)
+        assert (after["dropped"] - before["dropped"], after["sent"] - before["sent"]) == (3, 0)
+        records = wait_for_records(stores, 3)
+        assert [r.is_shadow for r in records] == [False] * 3
+    finally:
+        stop_gateway(gateway)
