@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ import pytest
 import redis
 from django.conf import settings
 from django.core.management import call_command
+from django.db.models import Sum
 from django.test import override_settings
 from django.utils import timezone
 from rest_framework.test import APIClient
@@ -50,6 +52,7 @@ from controlplane.registry.models import EvalKind, EvalSuite, Evaluation, Model,
 from controlplane.rollouts import deployments, replicas, transitions, undo
 from controlplane.rollouts.models import ACTIVE_STATES, AnalysisRun, Deployment, Rollout
 from controlplane.telemetry.models import RequestSample
+from controlplane.tenants.models import UsageRecord
 from controlplane.tenants.services import api_key_create, tenant_create
 from tests.agent.test_agent_processes import (
     MODEL_FILE,
@@ -185,8 +188,10 @@ class RoutingMonitor:
                 table = parse_routing_table(raw)
                 if table.generation != last:
                     last = table.generation
-                    weights = {v.version_id: v.weight for v in table.versions}
-                    endpoints = {v.version_id: len(v.endpoints) for v in table.versions}
+                    # Versions that answer (a shadow route only gets copies).
+                    answering = [v for v in table.versions if v.role != "shadow"]
+                    weights = {v.version_id: v.weight for v in answering}
+                    endpoints = {v.version_id: len(v.endpoints) for v in answering}
                     self.seen.append((table.generation, weights, endpoints))
             time.sleep(0.02)
 
@@ -434,6 +439,8 @@ def test_a_healthy_candidate_is_promoted_through_every_stage(stack, django_db_bl
             deployment=stack.deployment,
             candidate=candidate,
             stages=[
+                # Half the requests copied to the candidate; the stable version answers all.
+                {"weight": 50, "min_duration_s": 2, "min_requests": 2, "shadow": True},
                 {"weight": 25, "min_duration_s": 2, "min_requests": 2},
                 {"weight": 50, "min_duration_s": 2, "min_requests": 2},
                 {"weight": 100, "min_duration_s": 2, "min_requests": 2},
@@ -457,7 +464,7 @@ def test_a_healthy_candidate_is_promoted_through_every_stage(stack, django_db_bl
 
         # Every stage ended with an advancing analysis run, in order.
         advancing = AnalysisRun.objects.filter(rollout=rollout, action="advance")
-        assert sorted(advancing.values_list("stage_index", flat=True)) == [0, 1, 2]
+        assert sorted(advancing.values_list("stage_index", flat=True)) == [0, 1, 2, 3]
         # (Extensions depend on how many requests a stage got in time: left out. The gate is
         # blocked once per change of its reasons: one or two suites still due.)
         actions = [a for a, _ in audit_actions(rollout) if a != "rollout.extend"]
@@ -468,6 +475,7 @@ def test_a_healthy_candidate_is_promoted_through_every_stage(stack, django_db_bl
             "rollout.create",
             "rollout.start_gating",
             "rollout.gate_blocked",  # until both evaluation jobs have passed
+            "rollout.stage_start",
             "rollout.stage_start",
             "rollout.stage_start",
             "rollout.stage_start",
@@ -485,6 +493,31 @@ def test_a_healthy_candidate_is_promoted_through_every_stage(stack, django_db_bl
         outcomes = settle(stack, traffic_start)
         assert [o for o in outcomes if not o.ok] == []
         assert RequestSample.objects.filter(version=candidate).exists()
+
+        # The shadow stage: the candidate got copies and answered no client; the copies
+        # were judged (its analysis run counted them) and billed to nobody.
+        stage_starts = AuditEvent.objects.filter(
+            object_type="rollout", object_id=str(rollout.pk), action="rollout.stage_start"
+        ).order_by("id")
+        shadow_end = stage_starts[1].created_at
+        candidate_samples = RequestSample.objects.filter(version=candidate)
+        assert candidate_samples.filter(is_shadow=True, finished_at__lt=shadow_end).count() >= 2
+        assert not candidate_samples.filter(is_shadow=False, finished_at__lt=shadow_end).exists()
+        # (a copy sent just before the stage changed may finish a moment after)
+        copies_after = candidate_samples.filter(
+            is_shadow=True, finished_at__gt=shadow_end + timedelta(seconds=10)
+        )
+        assert not copies_after.exists()
+
+        def billed_requests() -> tuple[int, int]:
+            billed = UsageRecord.objects.aggregate(total=Sum("requests"))["total"] or 0
+            return billed, RequestSample.objects.filter(is_shadow=False).count()
+
+        wait_until(
+            lambda: billed_requests()[0] == billed_requests()[1],
+            timeout=30,
+            message=lambda: f"billed, client requests: {billed_requests()}",
+        )
 
 
 def faulty_canary_rolled_back(
