@@ -107,6 +107,11 @@ class FleetView:
         self._latest_revisions: dict[int, DeploymentRevision] | None = None
         self._warm: set[int] | None = None
         self._footprints: dict[int, Any] = {}
+        self._alive: list[Agent] | None = None
+        self._alive_ids: set[int] = set()
+        # The ids of the agents whose replicas stay (reconciler's converge step).
+        self.kept: set[int] | None = None
+        self._deployment_names: dict[int, str] | None = None
         # The retirement marks of kept agents removed: once for all the deployments.
         self.unmarked: set[str] = set()
 
@@ -128,6 +133,27 @@ class FleetView:
     @property
     def agents(self) -> list[Agent]:
         return self._read_agents()
+
+    def deployment_name(self, deployment_id: int) -> str | None:
+        """The deployment's name (its lock's), None when there is no such deployment. A
+        name never changes: one read for the pass."""
+        if self._deployment_names is None or deployment_id not in self._deployment_names:
+            self._deployment_names = dict(Deployment.objects.values_list("pk", "name"))
+        return self._deployment_names.get(deployment_id)
+
+    def alive(self, fresh_after: Any) -> tuple[list[Agent], set[int]]:
+        """The agents not lost and seen since `fresh_after` (the first deployment's, for the
+        whole pass: about a pass old for the last one), and their ids."""
+        if self._alive is None:
+            self._alive = [
+                agent
+                for agent in self._read_agents()
+                if agent.state != AgentState.LOST
+                and agent.last_seen is not None
+                and agent.last_seen >= fresh_after
+            ]
+            self._alive_ids = {agent.pk for agent in self._alive}
+        return self._alive, self._alive_ids
 
     def loaded_with(self, version_id: int | None) -> list[Agent]:
         """The agents that had `version_id` loaded when read (in the order of `agents`):
@@ -237,17 +263,17 @@ def _reconcile_locked(
     own_client = client is None
     client = client or redis_client(decode_responses=True)
     try:
-        deployment = Deployment.objects.filter(pk=deployment_id).first()
-        if deployment is None:
+        name = view.deployment_name(deployment_id)
+        if name is None:
             return ReconcileReport(deployment=str(deployment_id), revision=0, skipped="gone")
         lock = client.lock(
-            f"rollouts:reconcile:{deployment.name}",
+            f"rollouts:reconcile:{name}",
             timeout=settings.ROLLOUTS_RECONCILE_LOCK_S,
             blocking_timeout=settings.ROLLOUTS_RECONCILE_LOCK_S,
         )
         if not lock.acquire():
             return ReconcileReport(
-                deployment=deployment.name, revision=0, skipped="another pass holds the lock"
+                deployment=name, revision=0, skipped="another pass holds the lock"
             )
         try:
             return _reconcile(deployment_id, client, view)
@@ -275,7 +301,11 @@ def _reconcile(deployment_id: int, client: redis.Redis, view: FleetView) -> Reco
     if revoked_candidates:
         view.invalidate()  # the versions needed changed
     # Re-read inside the lock: the newest committed desired routing wins.
-    deployment = Deployment.objects.select_related("stable_version__model").get(pk=deployment_id)
+    deployment = (
+        Deployment.objects.select_related("stable_version__model").filter(pk=deployment_id).first()
+    )
+    if deployment is None:
+        return ReconcileReport(deployment=str(deployment_id), revision=0, skipped="gone")
     desired: DesiredRouting = deployment.desired_routing
     report = ReconcileReport(deployment=deployment.name, revision=deployment.routing_revision)
     now = timezone.now()
@@ -568,17 +598,28 @@ def _converge_agents(
 
     needed, warm = view.needed, view.warm
 
-    def is_alive(agent: Agent) -> bool:
-        return bool(
-            agent.state != AgentState.LOST and agent.last_seen and agent.last_seen >= fresh_after
-        )
+    alive, alive_ids = view.alive(fresh_after)
 
-    alive = [a for a in view.agents if is_alive(a)]
+    def is_alive(agent: Agent) -> bool:
+        return agent.pk in alive_ids
 
     # An agent's version as read, not as this pass changes it below: an agent given a load
     # here is LOADING, neither a replica of its old version nor a ready one of the new.
     def alive_with(version_id: int) -> list[Agent]:
         return [a for a in view.loaded_with(version_id) if is_alive(a)]
+
+    # Each version's replicas that stay; an agent serving a version beyond them is retired.
+    # Read before this deployment places anything (the agents as read): the same for every
+    # deployment of the pass.
+    if view.kept is None:
+        view.kept = {
+            agent.pk
+            for version_id in {*needed, *warm}
+            for agent in kept_replicas(
+                alive_with(version_id), version_id, needed.get(version_id, 1)
+            )
+        }
+    kept = view.kept
 
     # The commands that matter, read afresh for each deployment (one query): those under
     # way, and those finished within the freshness window.
@@ -668,17 +709,12 @@ def _converge_agents(
         previous_id in warm
         and previous_id not in loading
         and not any(
-            a.loaded_version_id == previous_id and a.state != AgentState.DRAINING for a in alive
+            a.loaded_version_id == previous_id and a.state != AgentState.DRAINING
+            for a in alive_with(previous_id)
         )
     ):
         _warm_load(deployment, previous_id, alive, busy, placement, report)
 
-    # Each version's replicas that stay; an agent serving a version beyond them is retired.
-    kept = {
-        agent.pk
-        for version_id in {*needed, *warm}
-        for agent in kept_replicas(alive_with(version_id), version_id, needed.get(version_id, 1))
-    }
     grace = settings.ROLLOUTS_DRAIN_GRACE_S
     retirable = [
         agent
