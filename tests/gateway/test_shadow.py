@@ -93,13 +93,15 @@ def shadow_counts(url: str) -> dict[str, float]:
 
 
 def ask(client: openai.OpenAI, index: int) -> None:
-    """One request, streamed or not by turns; it must succeed."""
+    """One request, streamed or not by turns, greedy (sampled, two tokens may decode to no
+    text, and a stream without text has no TTFT); it must succeed."""
     if index % 2:
         chunks = list(
             client.chat.completions.create(
                 model="smollm2",
                 messages=MESSAGES,
                 max_tokens=2,
+                temperature=0,  # the same two tokens, with text, every time
                 stream=True,
                 extra_body={"ignore_eos": True},
             )
@@ -107,7 +109,11 @@ def ask(client: openai.OpenAI, index: int) -> None:
         assert chunks
     else:
         response = client.chat.completions.create(
-            model="smollm2", messages=MESSAGES, max_tokens=2, extra_body={"ignore_eos": True}
+            model="smollm2",
+            messages=MESSAGES,
+            max_tokens=2,
+            temperature=0,
+            extra_body={"ignore_eos": True},
         )
         assert response.choices[0].finish_reason == "length"
 
