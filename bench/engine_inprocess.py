@@ -206,11 +206,13 @@ def in_process(options: Options) -> InProcessResult:
     from engine.llm_engine import LLMEngine
     from engine.sequence import SamplingParams, Sequence
 
+    # one token per step: these figures are the kernels' (bench/spec_bench.py measures drafts)
     engine = LLMEngine(
         EngineConfig(
-            model=options.model, dtype=options.dtype, max_model_len=1024, device=DEVICE.type
+            model=options.model, dtype=options.dtype, max_model_len=1024, device=DEVICE.type,
+            speculative="off",
         )
-    )
+    )  # fmt: skip
     engine.load()
     engine.warm_up()
 

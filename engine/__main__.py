@@ -25,7 +25,9 @@ from engine.config import (
     ADMIN_SECRET_VARIABLE,
     AGENT_NAME_VARIABLE,
     DTYPES,
+    MAX_SPECULATIVE_TOKENS,
     SERVING_SECRET_VARIABLE,
+    SPECULATIVE_MODES,
     EngineConfig,
     EngineSecrets,
 )
@@ -80,6 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--enforce-eager",
         action="store_true",
         help="on CUDA, run decode steps op by op instead of replaying CUDA graphs",
+    )
+    serve.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_MODES,
+        default="auto",
+        help="n-gram speculative decoding for greedy requests: auto (default) drafts where the"
+        " step costs and acceptance measured while serving say it is faster; off never",
+    )
+    serve.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=8,
+        help=f"most drafts per request and step (1..{MAX_SPECULATIVE_TOKENS})",
     )
     serve.add_argument("--fault-latency-ms", type=float, default=0.0)
     serve.add_argument("--fault-error-rate", type=float, default=0.0)
@@ -155,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             max_queue=args.max_queue,
             enable_prefix_caching=not args.no_prefix_caching,
             enforce_eager=args.enforce_eager,
+            speculative=args.speculative,
+            num_speculative_tokens=args.num_speculative_tokens,
             fault_latency_ms=args.fault_latency_ms,
             fault_error_rate=args.fault_error_rate,
         )

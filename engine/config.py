@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from contracts.capacity import BUILTIN_KV_CACHE_MB
 
 DTYPES = ("float32", "bfloat16", "int8")
+SPECULATIVE_MODES = ("auto", "off")
+MAX_SPECULATIVE_TOKENS = 32
 
 # The environment variables an engine reads its two secrets from (never argv: other users
 # of the host can read a process's arguments).
@@ -73,6 +75,10 @@ class EngineConfig:
     fault_error_rate: float = 0.0
     embedding_batch_size: int = 32
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # n-gram speculative decoding (engine/speculative.py): "auto" drafts where it measures
+    # faster, "off" never; at most this many drafts per request and step
+    speculative: str = "auto"
+    num_speculative_tokens: int = 8
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -92,6 +98,16 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(
+                f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, "
+                f"got {self.speculative!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}"
+            )
         if self.num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {self.num_blocks}")
         if self.block_size > 256:

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,10 +30,11 @@ from engine.loader import load_checkpoint, resolve_model_path
 from engine.metrics import EngineMetrics
 from engine.model_runner import ModelRunner
 from engine.models.layers import Linear, cpu_has_native_bf16
-from engine.models.llama import KVCache, LlamaModel
-from engine.sampler import sample
+from engine.models.llama import KVCache, LlamaModel, StepLogits
+from engine.sampler import greedy_tokens, sample
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceStatus, TokenLogprob
+from engine.speculative import StepCosts, accepted_tokens, choose_drafts
 from engine.tokenizer import TextTokenizer
 
 logger = logging.getLogger("engine")
@@ -115,6 +117,13 @@ class LLMEngine:
         # (ModelRunner.last_path), in stats: where a serving run's time goes
         self.step_counts: dict[str, int] = {}
         self.step_seconds: dict[str, float] = {}
+        # seconds of every step by phase, on the step thread (the device's work lands in
+        # "forward" where it waits, else in "sample", which reads the logits)
+        self.phase_seconds = dict.fromkeys(("schedule", "forward", "sample", "append"), 0.0)
+        # speculative decoding (engine/speculative.py): decode steps' seconds by rows, and
+        # verifications, draft tokens and accepted drafts
+        self.step_costs = StepCosts()
+        self.spec_counts = dict.fromkeys(("drafts", "draft_tokens", "accepted_tokens"), 0)
 
     # ---- loading -------------------------------------------------------------------
     def load(self) -> None:
@@ -288,8 +297,12 @@ class LLMEngine:
                         self._finish(seq, "error", message=f"the engine failed: {error}")
 
     def _step(self, record: bool = True) -> None:
+        clock = time.perf_counter
+        started = clock()
         queries = self.block_manager.prefix_cache_queries
         hits = self.block_manager.prefix_cache_hits
+        if self.config.speculative != "off":
+            self._propose_drafts()
         batch = self.scheduler.schedule()  # admission looks up the prefix cache
         if batch.num_preempted and record:
             self.metrics.labels(self.metrics.preemptions).inc(batch.num_preempted)
@@ -299,33 +312,49 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-        started = time.perf_counter()
+        decode_only = self.runner.decode_only(batch)
+        scheduled = clock()
         output, sampling = self.runner.run(batch)
-        tokens, logprobs, failed = sample(output.logits, sampling, output.greedy)  # waits for GPU
+        forwarded = clock()
+        tokens, logprobs, failed = self._sample(output, sampling)  # waits for the device
+        sampled = clock()
         path = self.runner.last_path
         self.step_counts[path] = self.step_counts.get(path, 0) + 1
-        self.step_seconds[path] = self.step_seconds.get(path, 0.0) + time.perf_counter() - started
+        self.step_seconds[path] = self.step_seconds.get(path, 0.0) + sampled - scheduled
+        if decode_only and record:
+            drafted = batch.num_tokens > len(batch.seqs)
+            self.step_costs.record(batch.num_tokens, drafted, sampled - scheduled)
         prompt_tokens = 0
         for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            count -= len(seq.draft_token_ids)  # drafts count once accepted (below)
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 prompt_tokens += min(count, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += count
             self.block_manager.register_computed(seq)
         now = time.monotonic()
-        for index, (seq, token, logprob) in enumerate(zip(sampling, tokens, logprobs, strict=True)):
+        generated = 0
+        for index, (seq, new, logprob) in enumerate(zip(sampling, tokens, logprobs, strict=True)):
+            drafts, seq.draft_token_ids = seq.draft_token_ids, []
             if index in failed:
                 logger.warning("request %s failed: %s", seq.request_id, failed[index])
                 self._finish(seq, "error", message=failed[index])
                 continue
+            if drafts:
+                self._record_verification(seq, len(drafts), len(new) - 1, record)
             try:
-                self._append_token(seq, token, logprob, now)
+                generated += self._append_tokens(seq, new, logprob, now)
             except Exception as error:  # detokenizing or a stop check: this request alone
                 logger.exception("request %s failed after its token", seq.request_id)
                 if not seq.is_finished:
                     self._finish(seq, "error", message=f"post-processing failed: {error}")
+                continue
+            if len(new) > 1 and not seq.is_finished:
+                # the accepted drafts' K/V, written in this step, is the cache's now
+                seq.num_computed_tokens += len(new) - 1
+                self.block_manager.register_computed(seq)
         if record:
             metrics = self.metrics
-            metrics.count_tokens(prompt_tokens, len(sampling))
+            metrics.count_tokens(prompt_tokens, generated)
             if self.block_manager.prefix_cache_queries != queries:
                 metrics.labels(metrics.prefix_queries).inc(
                     self.block_manager.prefix_cache_queries - queries
@@ -335,45 +364,123 @@ class LLMEngine:
             metrics.labels(metrics.running).set(len(self.scheduler.running))
             metrics.labels(metrics.waiting).set(len(self.scheduler.waiting))
             metrics.labels(metrics.kv_usage).set(self.block_manager.usage)
+        phases = self.phase_seconds
+        phases["schedule"] += scheduled - started
+        phases["forward"] += forwarded - scheduled
+        phases["sample"] += sampled - forwarded
+        phases["append"] += clock() - sampled
         if self.fault_latency_ms > 0 and sampling:
             # Every running request gets one token per step, so this is per token for each.
             time.sleep(self.fault_latency_ms / 1000.0)
 
-    def _append_token(
-        self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float
-    ) -> None:
-        params = seq.params
-        seq.token_ids.append(token)
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-            if seq.sink is not None:
-                self.metrics.record_first_token(now - seq.arrival_time, seq.num_prompt_tokens)
-        elif seq.last_token_time is not None:
-            gap = now - seq.last_token_time
-            seq.inter_token_latencies.append(gap)
-            if seq.sink is not None:
-                self.metrics.labels(self.metrics.itl).observe(gap)
-        seq.last_token_time = now
-        reason: str | None = None
-        is_stop_token = token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.eos_token_ids
+    def _propose_drafts(self) -> None:
+        """Drafts for the next step where every running request decodes and none waits
+        (the step costs measured are decode-only steps')."""
+        running = self.scheduler.running
+        for seq in running:
+            seq.draft_token_ids.clear()
+        if not running or self.scheduler.waiting:
+            return
+        if any(seq.num_uncomputed_tokens != 1 for seq in running):
+            return
+        rows = self.runner.max_decode_rows or 64
+        choose_drafts(
+            running,
+            self.step_costs,
+            self.config.num_speculative_tokens,
+            self.config.max_model_len,
+            min(rows, self.config.max_num_batched_tokens),
         )
-        if is_stop_token:
-            reason = "stop"
-        else:
-            self._detokenize(seq, token)
-            if params.stop and self._truncate_at_stop(seq):
+
+    def _sample(
+        self, output: StepLogits, sampling: list[Sequence]
+    ) -> tuple[list[list[int]], list[TokenLogprob | None], dict[int, str]]:
+        """Each request's new tokens: one sampled, or, where it drafted, the drafts greedy
+        decoding keeps and the token after them (its logits rows follow its first)."""
+        if not any(seq.draft_token_ids for seq in sampling):
+            tokens, sampled_logprobs, sample_failed = sample(output.logits, sampling, output.greedy)
+            return [[token] for token in tokens], sampled_logprobs, sample_failed
+        greedy = output.greedy if output.greedy is not None else greedy_tokens(output.logits)
+        firsts: list[int] = []
+        row = 0
+        for seq in sampling:
+            firsts.append(row)
+            row += 1 + len(seq.draft_token_ids)
+        plain = [i for i, seq in enumerate(sampling) if not seq.draft_token_ids]
+        new: list[list[int]] = [[] for _ in sampling]
+        logprobs: list[TokenLogprob | None] = [None] * len(sampling)
+        failed: dict[int, str] = {}
+        if plain:
+            rows = torch.tensor([firsts[i] for i in plain], device=output.logits.device)
+            tokens, plain_logprobs, plain_failed = sample(
+                output.logits.index_select(0, rows),
+                [sampling[i] for i in plain],
+                [greedy[firsts[i]] for i in plain],
+            )
+            for position, index in enumerate(plain):
+                new[index] = [tokens[position]]
+                logprobs[index] = plain_logprobs[position]
+                if position in plain_failed:
+                    failed[index] = plain_failed[position]
+        for index, seq in enumerate(sampling):
+            drafts = seq.draft_token_ids
+            if drafts:
+                first = firsts[index]
+                new[index] = accepted_tokens(drafts, greedy[first : first + len(drafts) + 1])
+        return new, logprobs, failed
+
+    def _record_verification(
+        self, seq: Sequence, drafted: int, accepted: int, record: bool
+    ) -> None:
+        if seq.draft_state is not None:
+            seq.draft_state.record(drafted, accepted)
+        if not record:
+            return
+        counts = self.spec_counts
+        counts["drafts"] += 1
+        counts["draft_tokens"] += drafted
+        counts["accepted_tokens"] += accepted
+        self.metrics.count_drafts(drafted, accepted)
+
+    def _append_tokens(
+        self, seq: Sequence, tokens: list[int], logprob: TokenLogprob | None, now: float
+    ) -> int:
+        """Append a step's tokens (more than one where drafts were accepted) up to the first
+        that ends the request, then deliver once; how many were appended."""
+        params = seq.params
+        for position, token in enumerate(tokens):
+            seq.token_ids.append(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                if seq.sink is not None:
+                    self.metrics.record_first_token(now - seq.arrival_time, seq.num_prompt_tokens)
+            elif seq.last_token_time is not None:
+                gap = now - seq.last_token_time
+                seq.inter_token_latencies.append(gap)
+                if seq.sink is not None:
+                    self.metrics.labels(self.metrics.itl).observe(gap)
+            seq.last_token_time = now
+            reason: str | None = None
+            is_stop_token = token in params.stop_token_ids or (
+                not params.ignore_eos and token in self.eos_token_ids
+            )
+            if is_stop_token:
                 reason = "stop"
-        if reason is None and (
-            seq.num_output_tokens >= params.max_tokens or len(seq) >= self.config.max_model_len
-        ):
-            reason = "length"
-        if reason is not None:
-            self._finish(seq, reason)
-        else:
-            self._deliver(seq)
+            else:
+                self._detokenize(seq, token)
+                if params.stop and self._truncate_at_stop(seq):
+                    reason = "stop"
+            if reason is None and (
+                seq.num_output_tokens >= params.max_tokens or len(seq) >= self.config.max_model_len
+            ):
+                reason = "length"
+            if reason is not None:
+                self._finish(seq, reason)
+                return position + 1
+        self._deliver(seq)
+        return len(tokens)
 
     def _detokenize(self, seq: Sequence, token: int) -> None:
         # Multi-byte characters split across tokens come out whole, once complete.
@@ -447,6 +554,17 @@ class LLMEngine:
         self._deliver(seq, error=message)
 
     # ---- introspection -------------------------------------------------------------
+    def speculative_stats(self) -> dict[str, Any]:
+        counts = self.spec_counts
+        drafts, drafted = counts["drafts"], counts["draft_tokens"]
+        accepted = counts["accepted_tokens"]
+        return {
+            "mode": self.config.speculative,
+            **counts,
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+            "tokens_per_verification": round(1 + accepted / drafts, 4) if drafts else None,
+        }
+
     def stats(self) -> dict[str, object]:
         metrics = self.metrics
         return {
@@ -470,6 +588,8 @@ class LLMEngine:
             else 0,
             "steps": dict(self.step_counts),
             "step_seconds": {path: round(t, 6) for path, t in self.step_seconds.items()},
+            "step_phase_seconds": {phase: round(t, 6) for phase, t in self.phase_seconds.items()},
+            "speculative": self.speculative_stats(),
             # CUDA graphs that replay decode steps (0: every step runs op by op)
             "decode_graphs": len(self.runner.graphs.graphs)
             if self.state != "loading" and self.runner.graphs_ready and self.runner.graphs

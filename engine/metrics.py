@@ -91,6 +91,17 @@ class EngineMetrics:
         self.prefix_queries = counter("engine:prefix_cache_queries", "Prefix cache tokens queried.")
         self.prefix_hits = counter("engine:prefix_cache_hits", "Prefix cache tokens hit.")
         self.preemptions = counter("engine:num_preemptions", "Preemptions by recompute.")
+        # speculative decoding: acceptance rate = accepted / draft tokens; tokens per
+        # verification = 1 + accepted / drafts
+        self.spec_drafts = counter(
+            "engine:spec_decode_num_drafts", "Requests' verifications of drafts."
+        )
+        self.spec_draft_tokens = counter(
+            "engine:spec_decode_num_draft_tokens", "Draft tokens verified."
+        )
+        self.spec_accepted_tokens = counter(
+            "engine:spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        )
         self.success = Counter(
             "engine:request_success",
             "Finished requests by reason.",
@@ -109,7 +120,8 @@ class EngineMetrics:
         for metric in (
             self.ttft, self.itl, self.e2e, self.queue_time, self.running, self.waiting,
             self.kv_usage, self.prompt_tokens, self.generation_tokens, self.prefix_queries,
-            self.prefix_hits, self.preemptions,
+            self.prefix_hits, self.preemptions, self.spec_drafts, self.spec_draft_tokens,
+            self.spec_accepted_tokens,
         ):  # fmt: skip
             metric.labels(model_name)  # export every series from the start, at zero
         self.failed = counter("engine:request_failure", "Requests that ended in an error.")
@@ -152,6 +164,13 @@ class EngineMetrics:
             self.labels(self.prompt_tokens).inc(prompt)
         if generated:
             self.labels(self.generation_tokens).inc(generated)
+
+    def count_drafts(self, drafted: int, accepted: int) -> None:
+        """One request's drafts verified in a step, and how many were accepted."""
+        self.labels(self.spec_drafts).inc()
+        self.labels(self.spec_draft_tokens).inc(drafted)
+        if accepted:
+            self.labels(self.spec_accepted_tokens).inc(accepted)
 
     def record_finished(
         self,

@@ -93,13 +93,15 @@ class ModelRunner:
             start = len(input_ids)
             done = seq.num_computed_tokens
             table = seq.block_table
-            input_ids.extend(seq.token_ids[done : done + count])
+            input_ids.extend(seq.tokens_at(done, count))
             positions.extend(range(done, done + count))
             slot_mapping.extend(
                 table[p // size] * size + p % size for p in range(done, done + count)
             )
-            if done + count == len(seq):
-                logits_indices.append(start + count - 1)
+            drafts = len(seq.draft_token_ids)
+            if done + count == len(seq) + drafts:
+                # logits at the last token and at each draft (speculative decoding)
+                logits_indices.extend(range(start + count - 1 - drafts, start + count))
                 sampling.append(seq)
             if index >= num_decode and not kernel_prefill:
                 gather_ids = mask = None
@@ -229,49 +231,70 @@ class ModelRunner:
 
     @staticmethod
     def decode_only(batch: ScheduledBatch) -> bool:
-        """Each row one new token that samples (a decode, or a prompt's last token)."""
-        return batch.num_single_token == len(batch.seqs) and all(
-            seq.num_computed_tokens + 1 == len(seq) for seq in batch.seqs
+        """Each sequence its last token, which samples (a decode, or a prompt's last token),
+        and its drafts if it has any."""
+        return all(
+            seq.num_computed_tokens + 1 == len(seq) and count == 1 + len(seq.draft_token_ids)
+            for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True)
         )
+
+    @property
+    def max_decode_rows(self) -> int:
+        """The most rows a decode-only step runs in its fastest way (the step kernel), or 0
+        where there is no such bound."""
+        if self.model.step_kernel is not None and self.cache.kv.dtype == torch.bfloat16:
+            return self.model.step_max_rows
+        return 0
 
     def takes_step_kernel(self, batch: ScheduledBatch) -> bool:
         """Whether a decode-only step is the step kernel's: few enough rows."""
-        return (
-            self.model.step_kernel is not None
-            and len(batch.seqs) <= self.model.step_max_rows
-            and self.cache.kv.dtype == torch.bfloat16
-        )
+        return 0 < batch.num_tokens <= self.max_decode_rows
 
     def decode_step(self, seqs: list[Sequence]) -> StepLogits:
         """A decode-only step in the step kernel, from the little it reads: each row's last
-        token, its blocks and its length (the rows longest first, as _attention_table)."""
+        token, its blocks and its length (the rows longest first, as _attention_table).
+
+        A sequence's drafts are rows of their own at the next positions of its block table:
+        the kernel writes every row's K/V before any row attends, so the row at length
+        L + i sees the last token and the drafts before it, as a causal chunk would."""
         size = self.block_size
-        lengths = [len(seq) for seq in seqs]
-        width = -(-lengths[0] // size)
+        ends = [len(seq) + len(seq.draft_token_ids) for seq in seqs]
+        width = -(-max(ends) // size)
+        token_ids: list[int] = []
+        lengths: list[int] = []
         table: list[int] = []
-        for seq, length in zip(seqs, lengths, strict=True):
-            blocks = -(-length // size)
-            table += seq.block_table[:blocks]
-            table += [0] * (width - blocks)
+        for seq, end in zip(seqs, ends, strict=True):
+            blocks = -(-end // size)
+            row = seq.block_table[:blocks] + [0] * (width - blocks)
+            if seq.draft_token_ids:
+                token_ids += [seq.token_ids[-1], *seq.draft_token_ids]
+                lengths += range(len(seq), end + 1)
+                table += row * (end + 1 - len(seq))
+            else:
+                token_ids.append(seq.token_ids[-1])
+                lengths.append(end)
+                table += row
         kernel = self.model.step_kernel
         assert kernel is not None
-        token_ids = [seq.token_ids[-1] for seq in seqs]
         return StepLogits(*kernel(token_ids, self.cache.kv, table, lengths, greedy=True))
 
     def run(self, batch: ScheduledBatch) -> tuple[StepLogits, list[Sequence]]:
-        """Logits [len(sampling), vocab] fp32 (and, from the step kernel, their greedy
-        tokens) for the sequences whose last token was computed."""
+        """Logits [rows, vocab] fp32 (and, from the step kernel, their greedy tokens) for
+        the sequences whose last token was computed: one row each, at their last token,
+        followed by one at each of their drafts."""
         decode_only = self.decode_only(batch)
         if decode_only and self.takes_step_kernel(batch):  # no tensor op to record
             self.last_path = "step_kernel"
             seqs = sorted(batch.seqs, key=len, reverse=True)
             return self.decode_step(seqs), seqs
         graphs = self.graphs if self.graphs_ready else None
-        if graphs is not None and decode_only and graphs.takes(batch.seqs):
+        drafted = batch.num_tokens > len(batch.seqs) and decode_only
+        if graphs is not None and decode_only and not drafted and graphs.takes(batch.seqs):
             self.last_path = "graph"
             seqs = list(batch.seqs)
             return StepLogits(graphs.run(seqs), None), seqs
-        self.last_path = "decode" if decode_only else "mixed"
+        # drafts run as chunks after their sequence's context
+        self.last_path = "decode" if decode_only and not drafted else "mixed"
         return self._run_layers(batch)
 
     @torch.inference_mode()

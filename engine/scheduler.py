@@ -67,7 +67,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            count = min(seq.num_uncomputed_tokens, budget)
+            count = min(seq.num_uncomputed_tokens + len(seq.draft_token_ids), budget)
+            # drafts (speculative decoding) follow the last token; the budget may cut them
+            del seq.draft_token_ids[max(0, count - seq.num_uncomputed_tokens) :]
             while not self.block_manager.ensure_capacity(seq, seq.num_computed_tokens + count):
                 victim = self.running.pop()  # newest first: it has the least work to lose
                 self._preempt(victim)
@@ -101,6 +103,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.draft_token_ids.clear()
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

@@ -127,6 +127,10 @@ class Sequence:
     inter_token_latencies: list[float] = field(default_factory=list)
     num_preemptions: int = 0
     sink: Any = None  # where the engine delivers outputs (set by the engine)
+    # speculative decoding (engine/speculative.py): the tokens guessed for the next step,
+    # after the last one, and the request's n-gram index and acceptance counts
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_state: Any = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -151,6 +155,13 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def tokens_at(self, start: int, count: int) -> list[int]:
+        """`count` tokens from position `start`, the drafts after the last token included."""
+        end = start + count
+        if end <= len(self.token_ids):
+            return self.token_ids[start:end]
+        return self.token_ids[start:] + self.draft_token_ids[: end - len(self.token_ids)]
 
     @property
     def is_finished(self) -> bool:

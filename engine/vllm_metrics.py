@@ -98,6 +98,15 @@ TWINS: dict[str, VllmMetric] = {
         "Histogram of e2e request latency in seconds.",
         REQUEST_LATENCY_BUCKETS,
     ),
+    "engine:spec_decode_num_drafts": VllmMetric(
+        "counter", "vllm:spec_decode_num_drafts", "Number of spec decoding drafts."
+    ),
+    "engine:spec_decode_num_draft_tokens": VllmMetric(
+        "counter", "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."
+    ),
+    "engine:spec_decode_num_accepted_tokens": VllmMetric(
+        "counter", "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+    ),
     "engine:request_queue_time_seconds": VllmMetric(
         "histogram",
         "vllm:request_queue_time_seconds",

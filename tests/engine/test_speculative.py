@@ -1,0 +1,200 @@
+"""N-gram speculative decoding (engine/speculative.py): drafts verified in one step over the
+paged cache give exactly greedy decoding's tokens, on every way a step runs, and drafts
+are chosen by measured costs and acceptance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sequence import SamplingParams, Sequence
+from engine.speculative import (
+    DraftState,
+    NgramIndex,
+    StepCosts,
+    accepted_tokens,
+    choose_drafts,
+)
+
+
+def test_ngram_lookup_continues_the_latest_earlier_occurrence():
+    index = NgramIndex()
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 2, 3, 4]
+    # [2, 3, 4] occurred twice before; the latest is followed by 6, 7
+    assert index.propose(tokens, 3) == [6, 7, 2]
+    tokens += [6, 7, 8]
+    assert index.propose(tokens, 2) == []  # [6, 7, 8] and [7, 8] never occurred before
+    tokens += [1, 2]
+    assert index.propose(tokens, 4) == [3, 4, 5, 9]  # [8, 1, 2] never; [1, 2] at the start
+    assert NgramIndex().propose([5], 4) == []
+
+
+def test_accepted_tokens_keep_the_greedy_run_and_the_token_after_it():
+    assert accepted_tokens([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]
+    assert accepted_tokens([4, 5, 6], [4, 9, 6, 7]) == [4, 9]
+    assert accepted_tokens([4, 5, 6], [1, 5, 6, 7]) == [1]
+
+
+def test_acceptance_follows_recent_verifications_and_recovers_while_idle():
+    state = DraftState()
+    assert state.acceptance == 0.5
+    for _ in range(10):
+        state.record(4, 0)
+    low = state.acceptance
+    assert low < 0.2
+    for _ in range(200):
+        state.idle()
+    assert low < state.acceptance <= 0.5
+    for _ in range(10):
+        state.record(4, 4)
+    assert state.acceptance > 0.9
+
+
+def test_step_costs_grow_from_the_nearest_measured_step():
+    costs = StepCosts()
+    assert costs.estimate(3, True) == pytest.approx(1.2)  # nothing measured: unit guess
+    costs.record(1, False, 0.010)
+    assert costs.estimate(1, False) == 0.010
+    assert costs.estimate(3, True) == pytest.approx(0.012)
+    costs.record(3, True, 0.011)
+    assert costs.estimate(3, True) == 0.011
+    assert costs.estimate(5, True) == pytest.approx(0.011 * 1.2)
+    costs.record(3, True, 0.021)  # a moving average, not the last reading
+    assert costs.estimate(3, True) == pytest.approx(0.012)
+
+
+def decoding(tokens: list[int], max_tokens: int = 64, **params: object) -> Sequence:
+    """A request whose last token (of `tokens`) is its first output: decoding."""
+    seq = Sequence(
+        token_ids=list(tokens[:-1]),
+        params=SamplingParams(max_tokens=max_tokens, temperature=0, **params),  # type: ignore[arg-type]
+    )
+    seq.token_ids.append(tokens[-1])
+    return seq
+
+
+def test_drafts_follow_measured_costs():
+    quoting = decoding([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3])
+    cheap = StepCosts()
+    for rows in range(1, 10):
+        cheap.record(rows, rows > 1, 0.010 + 0.0001 * rows)
+    assert choose_drafts([quoting], cheap, 8, 1024, 64) > 0
+    assert quoting.draft_token_ids == [4, 5, 6, 7, 8, 1, 2, 3][: len(quoting.draft_token_ids)]
+
+    dear = StepCosts()  # each row costs as much as a whole step: no draft can pay
+    for rows in range(1, 10):
+        dear.record(rows, rows > 1, 0.010 * rows)
+    other = decoding([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3])
+    assert choose_drafts([other], dear, 8, 1024, 64) == 0
+    assert other.draft_token_ids == []
+
+
+def test_drafts_respect_limits_and_sampling():
+    costs = StepCosts()
+    costs.record(1, False, 0.010)
+    near_end = decoding([1, 2, 3, 4, 5, 6, 1, 2, 3], max_tokens=3)
+    choose_drafts([near_end], costs, 8, 1024, 64)
+    assert len(near_end.draft_token_ids) <= 1  # one output so far, max_tokens 3
+    sampled = Sequence(
+        token_ids=[1, 2, 3, 4, 1, 2], params=SamplingParams(max_tokens=9, temperature=0.8)
+    )
+    sampled.token_ids.append(3)
+    with_logprobs = decoding([1, 2, 3, 4, 1, 2, 3], logprobs=2)
+    assert choose_drafts([sampled, with_logprobs], costs, 8, 1024, 64) == 0
+
+
+# prompts that repeat (drafts often right), and one that does not
+PROMPTS = [
+    [(3 * i) % 40 + 5 for i in range(60)],
+    [11, 12, 13, 14, 15, 16] * 6 + [11, 12],
+    [(7 * i * i + 3) % 300 + 5 for i in range(25)],
+]
+
+
+class CheapRows(StepCosts):
+    """Step costs where a row costs 1 % of a step: drafts always pay."""
+
+    def record(self, rows: int, drafted: bool, seconds: float) -> None:
+        pass
+
+    def estimate(self, rows: int, drafted: bool) -> float:
+        return 1 + 0.01 * rows
+
+
+def new_engine(folder: Path, dtype: str, speculative: str, step_kernel: bool) -> LLMEngine:
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(folder), dtype=dtype, max_model_len=256, num_blocks=96,
+            speculative=speculative, num_speculative_tokens=5,
+        )
+    )  # fmt: skip
+    engine.load()
+    if not step_kernel:
+        engine.runner.model.step_kernel = None
+        engine.runner.model.step_max_rows = 0
+    return engine
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy outputs of the prompts, all in flight at once."""
+    seqs = []
+    for prompt in prompts:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        seqs.append(Sequence(token_ids=list(prompt), params=params))
+        engine.scheduler.add(seqs[-1])
+    while not all(seq.is_finished for seq in seqs):
+        engine._step()
+    for seq in seqs:
+        engine.block_manager.free(seq)
+    return [seq.output_token_ids for seq in seqs]
+
+
+# float32: every step in PyTorch ops, drafts as chunks after their context; bf16 with the
+# step kernel (drafts as rows of their own) and without it (the kernel's attention table)
+@pytest.mark.parametrize(
+    "model, dtype, step_kernel",
+    [("tiny_llama", "float32", True), ("tiny_llama_dim32", "bfloat16", True),
+     ("tiny_llama_dim32", "bfloat16", False)],
+)  # fmt: skip
+def test_verified_drafts_give_greedy_decodings_tokens(
+    model: str, dtype: str, step_kernel: bool, request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+):  # fmt: skip
+    """Drafts from greedy decoding's own output, every third step one of them wrong: the
+    output is the same, drafts are accepted up to the wrong one."""
+    folder = request.getfixturevalue(model)
+    plain = new_engine(folder, dtype, "off", step_kernel)
+    expected = generate(plain, PROMPTS, 40)
+    alone = generate(plain, PROMPTS[2:], 24)[0]
+    assert plain.speculative_stats()["drafts"] == 0
+    texts = {tuple(p): p + out for p, out in zip(PROMPTS, expected, strict=True)}
+
+    def oracle(self: NgramIndex, tokens: list[int], limit: int) -> list[int]:
+        full = next(t for p, t in texts.items() if tokens[: len(p)] == list(p))
+        drafts = full[len(tokens) : len(tokens) + limit]
+        if len(tokens) % 3 == 0 and len(drafts) > 1:
+            drafts[1] = (drafts[1] + 1) % 500
+        return drafts
+
+    monkeypatch.setattr(NgramIndex, "propose", oracle)
+    engine = new_engine(folder, dtype, "auto", step_kernel)
+    engine.step_costs = CheapRows()
+    assert generate(engine, PROMPTS, 40) == expected
+    stats = engine.speculative_stats()
+    assert stats["drafts"] > 0 and 0 < stats["accepted_tokens"] < stats["draft_tokens"], stats
+    texts[tuple(PROMPTS[2])] = PROMPTS[2] + alone
+    assert generate(engine, PROMPTS[2:], 24)[0] == alone
+
+
+def test_ngram_drafts_in_the_engine_keep_greedy_output(tiny_llama: Path):
+    """The n-gram proposer itself, on a model whose greedy output repeats."""
+    plain = generate(new_engine(tiny_llama, "float32", "off", True), PROMPTS[:2], 40)
+    engine = new_engine(tiny_llama, "float32", "auto", True)
+    engine.step_costs = CheapRows()
+    assert generate(engine, PROMPTS[:2], 40) == plain
+    stats = engine.speculative_stats()
+    assert stats["accepted_tokens"] > 0, stats
+    assert sum(engine.step_counts.values()) < 2 * 40
