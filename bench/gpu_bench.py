@@ -227,8 +227,9 @@ def single_stream(engine: Any, prompt: list[int], tokens: int, rounds: int) -> l
     return rates[1:]  # the first loads kernels (oneDNN builds one per shape at first use)
 
 
-def release(engine: Any) -> None:
-    del engine
+def free_device_memory() -> None:
+    """After the last reference to an engine or model is dropped: its cycles collected and,
+    on CUDA, the cached blocks handed back for the process that runs next."""
     gc.collect()
     if DEVICE.type == "cuda":
         torch.cuda.empty_cache()
@@ -362,7 +363,8 @@ def measure_shape(
         f"RATIO {decode / roofline:.2f} (target {target(shape, 'decode')})"
     )
     profile = profile_serving(engine, workload, plan.profile, out_dir, shape.name)
-    release(engine)
+    del engine
+    free_device_memory()
     for line in render_profile(shape.name, profile):
         log(f"[{shape.name}] {line}")
     if DEVICE.type != "cuda":

@@ -192,16 +192,23 @@ def group_events(events: Any, steps: int) -> dict[str, Any]:
     counted twice), with each group's heaviest names."""
     host: dict[str, float] = dict.fromkeys(GROUPS, 0.0)
     device: dict[str, float] = dict.fromkeys(GROUPS, 0.0)
+    by_op: dict[str, float] = dict.fromkeys(GROUPS, 0.0)
     names: dict[str, list[tuple[float, float, int, str]]] = {g: [] for g in GROUPS}
     for event in events:
         group = classify(event.key)
         if is_device_event(event):
-            cpu_us, device_us = 0.0, float(event.self_device_time_total)
+            cpu_us = 0.0
+            # self_cuda_time_total before torch 2.4
+            named = "self_device_time_total"
+            device_us = float(getattr(event, named, getattr(event, "self_cuda_time_total", 0.0)))
         else:
             cpu_us, device_us = float(event.self_cpu_time_total), 0.0
+            by_op[group] += float(getattr(event, "self_device_time_total", 0.0) or 0.0)
         host[group] += cpu_us
         device[group] += device_us
         names[group].append((cpu_us, device_us, int(event.count), event.key))
+    if not any(device.values()):  # no kernel rows: the device time the ops launched
+        device = by_op
     host_total, device_total = sum(host.values()), sum(device.values())
     table = {}
     for group in GROUPS:
