@@ -65,9 +65,15 @@ class ServingResult:
 
 
 async def run_serving(
-    base: str, headers: dict[str, str], workload: Workload, in_flight: int, submit_deadline: float
+    base: str,
+    headers: dict[str, str],
+    workload: Workload,
+    in_flight: int,
+    submit_deadline: float,
+    ignore_eos: bool = False,
 ) -> ServingResult:
-    """All requests with `in_flight` open at a time; none is started after the deadline."""
+    """All requests with `in_flight` open at a time; none is started after the deadline.
+    ignore_eos: every request runs to its max_tokens (random weights, a fixed workload)."""
     limits = httpx.Limits(max_connections=in_flight + 4)
     async with httpx.AsyncClient(
         base_url=base, timeout=3600, limits=limits, headers=headers
@@ -81,7 +87,9 @@ async def run_serving(
                 if time.monotonic() > submit_deadline:
                     return None
                 submitted += 1
-                return await stream_one(client, workload.prompts[index], workload.max_tokens[index])
+                return await stream_one(
+                    client, workload.prompts[index], workload.max_tokens[index], ignore_eos
+                )
 
         started = time.perf_counter()
         done = await asyncio.gather(*(one(i) for i in range(len(workload.prompts))))

@@ -56,19 +56,31 @@ class ReferenceResult:
 
 
 def run_reference(
-    options: Options, workload: Workload, dtype: torch.dtype, deadline: float
+    options: Options,
+    workload: Workload,
+    dtype: torch.dtype,
+    deadline: float,
+    batch_size: int | None = None,
+    batches: int | None = None,
+    ignore_eos: bool = False,
+    model: Any = None,
 ) -> ReferenceResult:
-    """HF generate in static batches (left padded); useful = tokens up to own limit or EOS."""
-    model = reference_model(options.model, dtype)
+    """HF generate in static batches (left padded) of `batch_size` (default
+    options.batch_size), the first `batches` of them (default options.reference_batches);
+    useful = tokens up to each request's own limit or EOS (with ignore_eos: to its limit,
+    as the engine serves with ignore_eos). `model`: one already loaded, reused."""
+    model = reference_model(options.model, dtype) if model is None else model
     max_time = max(10.0, deadline - time.monotonic())
     eos = SMOLLM2_EOS
-    model.generation_config.eos_token_id = eos
+    model.generation_config.eos_token_id = None if ignore_eos else eos
     useful = requests = 0
     hit_time_limit = False
-    batches: list[tuple[int, int, int]] = []
-    size = options.batch_size
+    shapes: list[tuple[int, int, int]] = []
+    size = batch_size or options.batch_size
+    count = batches or options.reference_batches
+    synchronize()  # the model's move to the device is not HF's time
     started = time.perf_counter()
-    for first in range(0, min(len(workload.prompts), size * options.reference_batches), size):
+    for first in range(0, min(len(workload.prompts), size * count), size):
         prompts = workload.prompts[first : first + size]
         limits = workload.max_tokens[first : first + size]
         longest = max(len(p) for p in prompts)
@@ -84,16 +96,70 @@ def run_reference(
                 max_new_tokens=max(limits), do_sample=False, pad_token_id=eos,
                 max_time=max(left, 1.0),
             )[:, longest:]  # fmt: skip
-        if out.shape[1] < max(limits) and not bool((out == eos).any(dim=1).all()):
+        all_stopped = not ignore_eos and bool((out == eos).any(dim=1).all())
+        if out.shape[1] < max(limits) and not all_stopped:
             hit_time_limit = True
-        batches.append((len(prompts), longest, int(out.shape[1])))
+        shapes.append((len(prompts), longest, int(out.shape[1])))
         for row, limit in enumerate(limits):
             tokens = out[row, :limit].tolist()
-            useful += tokens.index(eos) + 1 if eos in tokens else len(tokens)
+            stop = not ignore_eos and eos in tokens
+            useful += tokens.index(eos) + 1 if stop else len(tokens)
         requests += len(prompts)
         if hit_time_limit:
             break
-    return ReferenceResult(time.perf_counter() - started, useful, requests, hit_time_limit, batches)
+    return ReferenceResult(time.perf_counter() - started, useful, requests, hit_time_limit, shapes)
+
+
+# HF's static batch sizes on CUDA: generate there runs its batch in parallel, so a larger
+# batch is faster per token and the reference takes the faster of the two (at 64 alone an
+# H200's ratio read 7x higher than against HF's best). On CPU the one of options.batch_size.
+CUDA_REFERENCE_BATCHES = (64, 256)
+
+
+def reference_batch_sizes(options: Options) -> tuple[int, ...]:
+    return CUDA_REFERENCE_BATCHES if DEVICE.type == "cuda" else (options.batch_size,)
+
+
+@dataclass(slots=True)
+class BestReference:
+    best: ReferenceResult
+    batch_size: int  # the best one's
+    by_batch_size: dict[int, ReferenceResult]
+
+    @property
+    def rate(self) -> float:
+        return self.best.tokens / self.best.seconds
+
+
+def best_reference(
+    options: Options,
+    workload: Workload,
+    dtype: torch.dtype,
+    deadline: float,
+    sizes: tuple[int, ...],
+    ignore_eos: bool = False,
+) -> BestReference:
+    """HF at each static batch size on the same first requests (as many as the largest
+    size's options.reference_batches cover; each size gets an equal share of the time
+    left), the model loaded once; the one of the most useful tokens per second is best."""
+    model = reference_model(options.model, dtype)
+    if DEVICE.type == "cuda":  # CUDA loads each kernel at its first use: not HF's rate
+        with torch.inference_mode():
+            model.generate(input_ids=torch.ones(2, 8, dtype=torch.long, device=DEVICE),
+                           max_new_tokens=4, do_sample=False, pad_token_id=SMOLLM2_EOS)  # fmt: skip
+    covered = max(sizes) * options.reference_batches
+    results: dict[int, ReferenceResult] = {}
+    for index, size in enumerate(sizes):
+        share = (deadline - time.monotonic()) / (len(sizes) - index)
+        results[size] = run_reference(
+            options, workload, dtype, time.monotonic() + share, batch_size=size,
+            batches=max(1, covered // size), ignore_eos=ignore_eos, model=model,
+        )  # fmt: skip
+    del model
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()  # its weights and KV cache, for what runs next
+    size = max(results, key=lambda s: results[s].tokens / results[s].seconds)
+    return BestReference(results[size], size, results)
 
 
 def reference_dtype(options: Options) -> tuple[torch.dtype, str | None]:
