@@ -34,6 +34,7 @@ STEPS = (
     "rollback_bench",
     "fidelity_bench",
     "placement_bench",
+    "spec_bench",
 )
 TOTAL_BUDGET_S = 840.0  # `make bench` must finish within 15 minutes on two cores
 DEFAULT_BUDGET_S = 240.0

@@ -199,6 +199,9 @@ def in_process_engine(folder: Path, shape: Shape, plan: Plan) -> Any:
             max_num_seqs=plan.max_num_seqs,
             max_num_batched_tokens=plan.max_num_batched_tokens,
             kv_cache_memory_mb=plan.kv_cache_mb,
+            # one token per step: the roofline compares a step's reads with one token
+            # (bench/spec_bench.py measures drafts)
+            speculative="off",
         )
     )
     torch.set_grad_enabled(False)  # as the engine's step loop runs

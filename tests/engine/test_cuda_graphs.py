@@ -45,9 +45,13 @@ def generate(engine: LLMEngine) -> list[list[int]]:
 def test_padded_decode_gives_the_logits_of_the_step_it_stands_for(
     tiny_llama: Path, dtype: str, tolerance: float, monkeypatch: pytest.MonkeyPatch
 ):
+    # one token per step (drafts, engine/speculative.py, run as chunks, not graphs)
     engine = LLMEngine(
-        EngineConfig(model=str(tiny_llama), dtype=dtype, max_model_len=128, num_blocks=64)
-    )
+        EngineConfig(
+            model=str(tiny_llama), dtype=dtype, max_model_len=128, num_blocks=64,
+            speculative="off",
+        )
+    )  # fmt: skip
     engine.load()
     runner = engine.runner
     assert runner.cache.spare_block == 64  # past the blocks the block manager hands out
@@ -89,7 +93,7 @@ def test_decode_graphs_replay_the_eager_tokens_on_cuda(tiny_llama: Path, dtype: 
         engine = LLMEngine(
             EngineConfig(
                 model=str(tiny_llama), dtype=dtype, device="cuda", max_model_len=128,
-                num_blocks=64, enforce_eager=eager,
+                num_blocks=64, enforce_eager=eager, speculative="off",
             )
         )  # fmt: skip
         engine.load()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -124,11 +125,13 @@ class CheapRows(StepCosts):
         return 1 + 0.01 * rows
 
 
-def new_engine(folder: Path, dtype: str, speculative: str, step_kernel: bool) -> LLMEngine:
+def new_engine(
+    folder: Path, dtype: str, speculative: str, step_kernel: bool, device: str = "cpu"
+) -> LLMEngine:
     engine = LLMEngine(
         EngineConfig(
             model=str(folder), dtype=dtype, max_model_len=256, num_blocks=96,
-            speculative=speculative, num_speculative_tokens=5,
+            speculative=speculative, num_speculative_tokens=5, device=device,
         )
     )  # fmt: skip
     engine.load()
@@ -152,21 +155,27 @@ def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> li
     return [seq.output_token_ids for seq in seqs]
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
 # float32: every step in PyTorch ops, drafts as chunks after their context; bf16 with the
-# step kernel (drafts as rows of their own) and without it (the kernel's attention table)
+# step kernel (drafts as rows of their own) and without it (the kernel's attention table);
+# on CUDA, chunks under flash attention's lower-right causal bias
 @pytest.mark.parametrize(
-    "model, dtype, step_kernel",
-    [("tiny_llama", "float32", True), ("tiny_llama_dim32", "bfloat16", True),
-     ("tiny_llama_dim32", "bfloat16", False)],
+    "model, dtype, step_kernel, device",
+    [("tiny_llama", "float32", True, "cpu"), ("tiny_llama_dim32", "bfloat16", True, "cpu"),
+     ("tiny_llama_dim32", "bfloat16", False, "cpu"),
+     pytest.param("tiny_llama", "bfloat16", False, "cuda", marks=CUDA),
+     pytest.param("tiny_llama", "float32", False, "cuda", marks=CUDA)],
 )  # fmt: skip
 def test_verified_drafts_give_greedy_decodings_tokens(
-    model: str, dtype: str, step_kernel: bool, request: pytest.FixtureRequest,
+    model: str, dtype: str, step_kernel: bool, device: str, request: pytest.FixtureRequest,
     monkeypatch: pytest.MonkeyPatch,
 ):  # fmt: skip
     """Drafts from greedy decoding's own output, every third step one of them wrong: the
     output is the same, drafts are accepted up to the wrong one."""
     folder = request.getfixturevalue(model)
-    plain = new_engine(folder, dtype, "off", step_kernel)
+    plain = new_engine(folder, dtype, "off", step_kernel, device)
     expected = generate(plain, PROMPTS, 40)
     alone = generate(plain, PROMPTS[2:], 24)[0]
     assert plain.speculative_stats()["drafts"] == 0
@@ -180,7 +189,7 @@ def test_verified_drafts_give_greedy_decodings_tokens(
         return drafts
 
     monkeypatch.setattr(NgramIndex, "propose", oracle)
-    engine = new_engine(folder, dtype, "auto", step_kernel)
+    engine = new_engine(folder, dtype, "auto", step_kernel, device)
     engine.step_costs = CheapRows()
     assert generate(engine, PROMPTS, 40) == expected
     stats = engine.speculative_stats()

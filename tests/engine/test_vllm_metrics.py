@@ -77,6 +77,9 @@ def test_vllm_names_carry_what_the_client_was_told(smollm2_server):
         "vllm:request_prompt_tokens": "histogram",
         "vllm:request_generation_tokens": "histogram",
         "vllm:iteration_tokens_total": "histogram",
+        "vllm:spec_decode_num_drafts": "counter",
+        "vllm:spec_decode_num_draft_tokens": "counter",
+        "vllm:spec_decode_num_accepted_tokens": "counter",
     }
     assert {
         name: families[name].type for name in expected_types if name in families
@@ -118,6 +121,13 @@ def test_vllm_names_carry_what_the_client_was_told(smollm2_server):
     assert after[("vllm:iteration_tokens_total_sum", SERIES)] == (
         computed_prompt_tokens + completion_tokens
     )
+
+    # speculative decoding: the twins and /admin/stats count the same verifications
+    speculative = smollm2_server.stats()["speculative"]
+    for name in ("drafts", "draft_tokens", "accepted_tokens"):
+        value = after[(f"vllm:spec_decode_num_{name}_total", SERIES)]
+        assert value == after[(f"engine:spec_decode_num_{name}_total", model)] == speculative[name]
+    assert speculative["accepted_tokens"] <= speculative["draft_tokens"]
 
     for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
         assert after[(gauge, SERIES)] == 0  # nothing left running once all answered
