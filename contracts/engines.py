@@ -87,6 +87,9 @@ OPTIONS: dict[str, dict[str, Option]] = {
         "max_queue": Option("int", "--max-queue", 1, 100_000),
         "prefix_caching": Option("bool", "", flag_false="--no-prefix-caching"),
         "enforce_eager": Option("bool", "--enforce-eager"),
+        # n-gram speculative decoding (engine/speculative.py; engine.config's modes)
+        "speculative": Option("choice", "--speculative", choices=("auto", "off")),
+        "num_speculative_tokens": Option("int", "--num-speculative-tokens", 1, 32),
     },
     VLLM: {
         "tensor_parallel_size": Option("int", "--tensor-parallel-size", 1, 64),

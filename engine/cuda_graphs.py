@@ -52,19 +52,26 @@ class DecodeInputs:
         slot = self.spare_block * self.block_size
         return [0, 0, slot, 1] + [self.spare_block] * width
 
-    def row(self, seq: Sequence, width: int) -> list[int]:
+    def rows(self, seq: Sequence, width: int) -> list[list[int]]:
+        """The sequence's last token, then each of its drafts (engine/speculative.py), one
+        row each at the next position with the same block table: every row's K/V is
+        written before any row attends, so the rows form a causal chunk."""
         size = self.block_size
-        length = len(seq)
-        position = length - 1
         table = seq.block_table
-        blocks = -(-length // size)
-        slot = table[position // size] * size + position % size
-        padding = [self.spare_block] * (width - blocks)
-        return [seq.token_ids[-1], position, slot, length, *table[:blocks], *padding]
+        end = len(seq) + len(seq.draft_token_ids)
+        blocks = -(-end // size)
+        columns = [*table[:blocks], *[self.spare_block] * (width - blocks)]
+        rows = []
+        for position, token in enumerate(
+            [seq.token_ids[-1], *seq.draft_token_ids], start=len(seq) - 1
+        ):
+            slot = table[position // size] * size + position % size
+            rows.append([token, position, slot, position + 1, *columns])
+        return rows
 
     def build(self, seqs: list[Sequence], rows: int, width: int) -> torch.Tensor:
-        table = [self.row(seq, width) for seq in seqs]
-        table += [self.pad_row(width)] * (rows - len(seqs))
+        table = [row for seq in seqs for row in self.rows(seq, width)]
+        table += [self.pad_row(width)] * (rows - len(table))
         return torch.tensor(table, dtype=torch.int64)
 
 
@@ -126,19 +133,25 @@ class DecodeGraphs:
             len(self.graphs), self.rows, self.widths, time.monotonic() - started,
         )  # fmt: skip
 
+    @staticmethod
+    def count_rows(seqs: list[Sequence]) -> int:
+        return sum(1 + len(seq.draft_token_ids) for seq in seqs)
+
     def takes(self, seqs: list[Sequence]) -> bool:
-        return 0 < len(seqs) <= self.max_rows
+        return 0 < self.count_rows(seqs) <= self.max_rows
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> torch.Tensor:
-        """fp32 logits [len(seqs), vocab] of one decode step of these sequences."""
+        """fp32 logits of one decode step of these sequences: a row at each one's last
+        token, then one at each of its drafts."""
         size = self.inputs.block_size
-        width = max(-(-len(seq) // size) for seq in seqs)
-        rows, width = self.bucket(len(seqs), width)
+        width = max(-(-(len(seq) + len(seq.draft_token_ids)) // size) for seq in seqs)
+        count = self.count_rows(seqs)
+        rows, width = self.bucket(count, width)
         self.static[:rows, : 4 + width].copy_(self.inputs.build(seqs, rows, width))
         captured = self.graphs.get((rows, width))
         if captured is None:  # not captured (on CPU, in tests): the same step, op by op
-            return self._step(rows, width)()[: len(seqs)]
+            return self._step(rows, width)()[:count]
         graph, logits = captured
         graph.replay()
-        return logits[: len(seqs)].clone()  # the next replay overwrites the static output
+        return logits[:count].clone()  # the next replay overwrites the static output

@@ -446,7 +446,7 @@ class LLMEngine:
         self, seq: Sequence, tokens: list[int], logprob: TokenLogprob | None, now: float
     ) -> int:
         """Append a step's tokens (more than one where drafts were accepted) up to the first
-        that ends the request, then deliver once; how many were appended."""
+        that ends the request, delivering each; how many were appended."""
         params = seq.params
         for position, token in enumerate(tokens):
             seq.token_ids.append(token)
@@ -479,7 +479,9 @@ class LLMEngine:
             if reason is not None:
                 self._finish(seq, reason)
                 return position + 1
-        self._deliver(seq)
+            # a delta per token, drafts or not: a stream's chunks and the gateway's
+            # inter-token gaps keep meaning one token each
+            self._deliver(seq)
         return len(tokens)
 
     def _detokenize(self, seq: Sequence, token: int) -> None:

@@ -288,12 +288,12 @@ class ModelRunner:
             seqs = sorted(batch.seqs, key=len, reverse=True)
             return self.decode_step(seqs), seqs
         graphs = self.graphs if self.graphs_ready else None
-        drafted = batch.num_tokens > len(batch.seqs) and decode_only
-        if graphs is not None and decode_only and not drafted and graphs.takes(batch.seqs):
-            self.last_path = "graph"
+        if graphs is not None and decode_only and graphs.takes(batch.seqs):
+            self.last_path = "graph"  # drafts as rows of their own, as in the step kernel
             seqs = list(batch.seqs)
             return StepLogits(graphs.run(seqs), None), seqs
-        # drafts run as chunks after their sequence's context
+        # elsewhere drafts run as a chunk after their sequence's context
+        drafted = batch.num_tokens > len(batch.seqs)
         self.last_path = "decode" if decode_only and not drafted else "mixed"
         return self._run_layers(batch)
 

@@ -12,7 +12,7 @@ from contracts.commands import parse_load_payload
 from contracts.engines import OPTIONS, engine_flags
 from contracts.streams import ContractError
 from engine.__main__ import build_parser
-from engine.config import EngineSecrets
+from engine.config import MAX_SPECULATIVE_TOKENS, SPECULATIVE_MODES, EngineSecrets
 from tests.contracts.test_engine_secrets_contract import LOAD, SECRET_A, SECRET_B
 
 
@@ -50,6 +50,8 @@ def test_the_builtin_engines_options_are_flags_its_parser_takes(tmp_path: Path) 
         "max_queue": 64,
         "prefix_caching": False,
         "enforce_eager": True,
+        "speculative": "off",
+        "num_speculative_tokens": 4,
     }
     assert set(arguments) == set(OPTIONS["builtin"])
     assert engine_flags("builtin", arguments) == [
@@ -60,7 +62,11 @@ def test_the_builtin_engines_options_are_flags_its_parser_takes(tmp_path: Path) 
         "64",
         "--num-blocks",
         "128",
+        "--num-speculative-tokens",
+        "4",
         "--no-prefix-caching",
+        "--speculative",
+        "off",
     ]
     spec = EngineSpec(
         model_path=tmp_path,
@@ -76,6 +82,9 @@ def test_the_builtin_engines_options_are_flags_its_parser_takes(tmp_path: Path) 
     parsed = build_parser().parse_args(["serve", *BuiltinAdapter().arguments(spec)])
     assert (parsed.model, parsed.num_blocks, parsed.kv_cache_memory_mb) == (str(tmp_path), 128, 256)
     assert (parsed.max_queue, parsed.no_prefix_caching, parsed.enforce_eager) == (64, True, True)
+    assert (parsed.speculative, parsed.num_speculative_tokens) == ("off", 4)
+    assert OPTIONS["builtin"]["speculative"].choices == SPECULATIVE_MODES
+    assert OPTIONS["builtin"]["num_speculative_tokens"].high == MAX_SPECULATIVE_TOKENS
     defaults = build_parser().parse_args(["serve", *BuiltinAdapter().arguments(EngineSpec(
         model_path=tmp_path, serving_config={}, served_model_name="m", host="h", port=1,
         threads=1, engine_args={"prefix_caching": True, "enforce_eager": False},

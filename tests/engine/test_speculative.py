@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams, Sequence
 from engine.speculative import (
@@ -135,6 +136,8 @@ def new_engine(
         )
     )  # fmt: skip
     engine.load()
+    if device == "cuda":
+        engine.warm_up()  # captures the decode graphs, where drafts are rows too
     if not step_kernel:
         engine.runner.model.step_kernel = None
         engine.runner.model.step_max_rows = 0
@@ -160,7 +163,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 # float32: every step in PyTorch ops, drafts as chunks after their context; bf16 with the
 # step kernel (drafts as rows of their own) and without it (the kernel's attention table);
-# on CUDA, chunks under flash attention's lower-right causal bias
+# on CUDA, rows of CUDA graphs
 @pytest.mark.parametrize(
     "model, dtype, step_kernel, device",
     [("tiny_llama", "float32", True, "cpu"), ("tiny_llama_dim32", "bfloat16", True, "cpu"),
@@ -207,3 +210,30 @@ def test_ngram_drafts_in_the_engine_keep_greedy_output(tiny_llama: Path):
     stats = engine.speculative_stats()
     assert stats["accepted_tokens"] > 0, stats
     assert sum(engine.step_counts.values()) < 2 * 40
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-4), ("bfloat16", 0.25)])
+def test_drafts_in_a_padded_decode_step_give_the_chunks_logits(
+    tiny_llama: Path, dtype: str, tolerance: float
+):
+    """CUDA graphs replay decode_padded: there a request's drafts are rows of their own.
+    Run op by op here (no capture on CPU), it gives the logits of the same drafts run as
+    chunks after their context (bf16: the tolerance of tests/engine/test_cuda_graphs.py)."""
+    engine = new_engine(tiny_llama, dtype, "off", False)
+    runner = engine.runner
+    graphs = DecodeGraphs(runner.model, runner.cache, 16, max_blocks=8)
+    seqs = []
+    for prompt, drafts in zip(PROMPTS, ([7, 8, 9], [], [13, 14, 15, 16, 17]), strict=True):
+        seq = Sequence(token_ids=list(prompt), params=SamplingParams(temperature=0))
+        engine.scheduler.add(seq)
+        seqs.append((seq, drafts))
+    while any(seq.num_output_tokens == 0 for seq, _ in seqs):
+        engine._step()  # prefill: every request decodes from here
+    for seq, drafts in seqs:
+        seq.draft_token_ids = list(drafts)
+    batch = engine.scheduler.schedule()
+    assert runner.decode_only(batch) and batch.num_tokens == 3 + 8
+    chunks, order = runner._run_layers(batch)
+    padded = graphs.run(order)
+    assert padded.shape == chunks.logits.shape == (11, engine.model_config.vocab_size)
+    assert (padded - chunks.logits).abs().max() < tolerance
