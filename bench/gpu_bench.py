@@ -567,6 +567,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--models-dir", type=Path, default=MODELS_DIR, help="the cache of model folders"
     )
+    parser.add_argument(
+        "--no-spec",
+        action="store_true",
+        help="skip the speculative decoding figures (bench/spec_bench.py on SmolLM2; "
+        "never run with --smoke)",
+    )
     args = parser.parse_args(argv)
     plan = SMOKE if args.smoke else FULL
     if args.shapes:
@@ -602,6 +608,14 @@ def main(argv: list[str] | None = None) -> int:
         result = measure_shape(shape, plan, out_dir, args.models_dir, log)
         shapes[shape.name] = result
         figures += shape_figures(shape, result, plan)
+    speculative: dict[str, Any] | None = None
+    if not (args.smoke or args.no_spec):
+        from bench.spec_bench import figures_of, measure_all
+
+        free_device_memory()
+        log("speculative decoding: SmolLM2, single stream, drafts auto vs off (spec_bench)")
+        speculative = figures_of(measure_all(out_dir, quick=False))
+        figures += speculative["figures"]
     summary = render_figures(figures)
     for line in summary:
         log(line)
@@ -610,6 +624,7 @@ def main(argv: list[str] | None = None) -> int:
         "figures": figures,
         "shapes": shapes,
         "skipped": sorted({s for r in shapes.values() for s in r["skipped"]}),
+        "speculative": speculative["report"] if speculative else None,
     }
     (out_dir / "figures.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     profiles = {name: result["profile"] for name, result in shapes.items()}
