@@ -301,8 +301,7 @@ class LLMEngine:
         started = clock()
         queries = self.block_manager.prefix_cache_queries
         hits = self.block_manager.prefix_cache_hits
-        if self.config.speculative != "off":
-            self._propose_drafts()
+        self._propose_drafts()
         batch = self.scheduler.schedule()  # admission looks up the prefix cache
         if batch.num_preempted and record:
             self.metrics.labels(self.metrics.preemptions).inc(batch.num_preempted)
@@ -374,12 +373,13 @@ class LLMEngine:
             time.sleep(self.fault_latency_ms / 1000.0)
 
     def _propose_drafts(self) -> None:
-        """Drafts for the next step where every running request decodes and none waits
-        (the step costs measured are decode-only steps')."""
+        """Drafts for the next step where speculation is on, every running request decodes
+        and none waits (the step costs measured are decode-only steps'). A request the
+        last step's budget left out loses the drafts it had then."""
         running = self.scheduler.running
         for seq in running:
             seq.draft_token_ids.clear()
-        if not running or self.scheduler.waiting:
+        if self.config.speculative == "off" or not running or self.scheduler.waiting:
             return
         if any(seq.num_uncomputed_tokens != 1 for seq in running):
             return

@@ -1,7 +1,7 @@
 """Continuous batching: each step spends a token budget on running sequences, then new ones.
 
-Running sequences come first (one token each when decoding, a chunk when still
-prefilling), then waiting ones are admitted in arrival order while blocks, budget
+Running sequences come first (one token each when decoding, with its drafts if
+speculative decoding gave it any, a chunk when still prefilling), then waiting ones are admitted in arrival order while blocks, budget
 and the sequence limit allow. When a running sequence needs a block and none is
 free, the newest running sequence is preempted: its blocks are freed and it goes
 back to the front of the queue to be recomputed later.
@@ -18,7 +18,8 @@ from engine.sequence import Sequence, SequenceStatus
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    """Single-token rows first (batched decode attention), then prefill chunks."""
+    """Single-token rows first (batched decode attention), then prefill chunks (and
+    decoding sequences with drafts)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
