@@ -342,7 +342,7 @@ needs_step_kernel = pytest.mark.skipif(linear_rows is None, reason="no C compile
 
 
 @needs_step_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 49, 64, 70, 130])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 13, 16, 17, 49, 64, 70, 130])
 def test_linear_rows_matches_fp32_matmul(rows: int):
     """A few rows on vector registers; more on tiles where the CPU has avx512_bf16 (AMX's
     or their product on vdpbf16ps): partial tiles of rows and outputs, and more rows than
@@ -391,9 +391,9 @@ def test_linear_rows_refuses_what_it_cannot_read():
 
 @needs_step_kernel
 def test_decode_step_kernel_matches_the_pytorch_layers(tiny_llama_dim32: Path):
-    """Decode-only steps of four rows down to one (and five with tiles), all layers in one
-    call, against the model in PyTorch ops: the same logits to bf16 rounding and the same
-    KV cache."""
+    """Decode-only steps of four rows down to one (and five and sixteen with tiles), all
+    layers in one call, against the model in PyTorch ops: the same logits to bf16 rounding
+    and the same KV cache."""
     engines = [
         engine_for(tiny_llama_dim32, use_kernel=True),
         engine_for(tiny_llama_dim32, use_kernel=False),
@@ -409,7 +409,8 @@ def test_decode_step_kernel_matches_the_pytorch_layers(tiny_llama_dim32: Path):
 
     model.step_kernel = counted  # type: ignore[assignment]
     rng = random.Random(2)
-    prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in (5, 16, 33, 70, 12)]
+    lengths = (5, 16, 33, 70, 12, *range(3, 14))
+    prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in lengths]
     plan: list[list[tuple[int, int]]] = [
         [(0, 5), (1, 16), (2, 33), (3, 70)],
         *[[(i, 1) for i in range(4)] for _ in range(20)],  # rows cross block boundaries
@@ -417,12 +418,16 @@ def test_decode_step_kernel_matches_the_pytorch_layers(tiny_llama_dim32: Path):
         [(1, 1), (3, 1)],
         [(3, 1)],
         [(i, 1) for i in range(4)] + [(4, 12)],  # a prefill in the step: the layer path
-        [(i, 1) for i in range(5)],  # five rows: the layer path, or tiles in the step kernel
+        [(i, 1) for i in range(5)],  # five rows: the layer path, or the step kernel
+        [(i, lengths[i]) for i in range(5, 16)],
+        # sixteen: the layer path, or the step kernel's tiles (avx512_bf16 alone keeps up to
+        # 12 rows on vectors, AMX none past 4)
+        [(i, 1) for i in range(16)],
     ]
     compare_steps(engines, prompts, plan)
     # with tiles (AMX, or avx512_bf16 alone) the step kernel takes the five rows too
     tiles = decode_attention.row_tiles() is not None
-    assert calls == [4] * 20 + [3, 2, 1] + ([5] if tiles else [])
+    assert calls == [4] * 20 + [3, 2, 1] + ([5, 16] if tiles else [])
     assert model.step_max_rows == (64 if tiles else 4)
     # the few-row kernel serves steps the step kernel does not: 5 to 64 rows with tiles,
     # up to 4 with fp32 compute (CPUs without native bf16)
