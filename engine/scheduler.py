@@ -1,10 +1,11 @@
 """Continuous batching: each step spends a token budget on running sequences, then new ones.
 
 Running sequences come first (one token each when decoding, with its drafts if
-speculative decoding gave it any, a chunk when still prefilling), then waiting ones are admitted in arrival order while blocks, budget
-and the sequence limit allow. When a running sequence needs a block and none is
-free, the newest running sequence is preempted: its blocks are freed and it goes
-back to the front of the queue to be recomputed later.
+speculative decoding gave it any, a chunk when still prefilling), then waiting ones are
+admitted in arrival order while blocks, budget and the sequence limit allow. When a
+running sequence needs a block and none is free, the newest running sequence is
+preempted: its blocks are freed and it goes back to the front of the queue to be
+recomputed later.
 """
 
 from __future__ import annotations

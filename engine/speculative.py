@@ -38,6 +38,7 @@ IDLE_DECAY = 0.98
 # timed step's seconds (about what a memory-bound decode step pays, pessimistic on CPUs).
 PRIOR_ROW_COST = 0.1
 COST_SMOOTHING = 0.1  # weight of a new step's seconds in the moving average
+MIN_SAMPLES = 5  # steps of a row count before its own average is read
 
 
 class NgramIndex:
@@ -88,27 +89,47 @@ class DraftState:
 
 
 class StepCosts:
-    """Moving averages of decode steps' seconds by rows, plain and with drafts."""
+    """Decode steps' seconds by rows, plain and with drafts: a running mean over a row
+    count's first steps, then a moving average. A count with fewer than MIN_SAMPLES steps
+    is read off the line through its neighbours with enough: one slow first reading (a
+    step that met another process) would otherwise price a row count out for good, since
+    a count the policy avoids is never measured again."""
 
     def __init__(self) -> None:
         self.seconds: dict[tuple[int, bool], float] = {}
+        self.counts: dict[tuple[int, bool], int] = {}
 
     def record(self, rows: int, drafted: bool, seconds: float) -> None:
         key = (rows, drafted)
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else old + COST_SMOOTHING * (seconds - old)
+        count = self.counts.get(key, 0) + 1
+        self.counts[key] = count
+        old = self.seconds.get(key, seconds)
+        self.seconds[key] = old + max(1 / count, COST_SMOOTHING) * (seconds - old)
+
+    def _points(self, drafted: bool) -> list[tuple[int, float]]:
+        return sorted(
+            (rows, value)
+            for (rows, kind), value in self.seconds.items()
+            if kind is drafted and self.counts[(rows, kind)] >= MIN_SAMPLES
+        )
 
     def estimate(self, rows: int, drafted: bool) -> float:
-        """Seconds of a step of `rows` rows: measured, else grown from the nearest step
-        measured with fewer rows (with drafts if any was, else plain), else a unit guess."""
-        measured = self.seconds.get((rows, drafted))
-        if measured is not None:
-            return measured
+        """Seconds of a step of `rows` rows: measured; else between the nearest row counts
+        measured (with drafts if any was, else plain); else grown from the nearest below by
+        PRIOR_ROW_COST a row; else a unit guess."""
         for kind in (drafted, False) if drafted else (False,):
-            below = [r for r, d in self.seconds if d is kind and r < rows]
+            points = self._points(kind)
+            for index, (measured, value) in enumerate(points):
+                if measured == rows:
+                    return value
+                if measured > rows and index > 0:
+                    (low, low_value), (high, high_value) = points[index - 1], points[index]
+                    return low_value + (high_value - low_value) * (rows - low) / (high - low)
+                if measured > rows:
+                    break
+            below = [(r, v) for r, v in points if r < rows]
             if below:
-                nearest = max(below)
-                base = self.seconds[(nearest, kind)]
+                nearest, base = below[-1]
                 return base * (1 + PRIOR_ROW_COST * (rows - nearest))
         return 1 + PRIOR_ROW_COST * (rows - 1)
 

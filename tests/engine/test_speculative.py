@@ -55,17 +55,29 @@ def test_acceptance_follows_recent_verifications_and_recovers_while_idle():
     assert state.acceptance > 0.9
 
 
-def test_step_costs_grow_from_the_nearest_measured_step():
+def test_step_costs_read_measured_counts_and_the_line_between_them():
     costs = StepCosts()
     assert costs.estimate(3, True) == pytest.approx(1.2)  # nothing measured: unit guess
-    costs.record(1, False, 0.010)
-    assert costs.estimate(1, False) == 0.010
-    assert costs.estimate(3, True) == pytest.approx(0.012)
-    costs.record(3, True, 0.011)
-    assert costs.estimate(3, True) == 0.011
-    assert costs.estimate(5, True) == pytest.approx(0.011 * 1.2)
-    costs.record(3, True, 0.021)  # a moving average, not the last reading
-    assert costs.estimate(3, True) == pytest.approx(0.012)
+    for _ in range(5):
+        costs.record(1, False, 0.010)
+    assert costs.estimate(1, False) == pytest.approx(0.010)
+    assert costs.estimate(3, True) == pytest.approx(0.012)  # plain, grown 10 % a row
+    for rows, seconds in ((2, 0.011), (6, 0.015)):
+        for _ in range(5):
+            costs.record(rows, True, seconds)
+    assert costs.estimate(4, True) == pytest.approx(0.013)  # between 2 and 6
+    assert costs.estimate(8, True) == pytest.approx(0.015 * 1.2)
+    costs.record(4, True, 0.100)  # one slow reading does not price 4 rows out
+    assert costs.estimate(4, True) == pytest.approx(0.013)
+    for _ in range(4):
+        costs.record(4, True, 0.013)
+    assert costs.estimate(4, True) == pytest.approx((0.100 + 4 * 0.013) / 5)
+    for _ in range(5):
+        costs.record(4, True, 0.013)
+    mean = (0.100 + 9 * 0.013) / 10  # a running mean over the first ten steps
+    assert costs.estimate(4, True) == pytest.approx(mean)
+    costs.record(4, True, 0.023)  # then a moving average
+    assert costs.estimate(4, True) == pytest.approx(mean + 0.1 * (0.023 - mean))
 
 
 def decoding(tokens: list[int], max_tokens: int = 64, **params: object) -> Sequence:
@@ -82,13 +94,15 @@ def test_drafts_follow_measured_costs():
     quoting = decoding([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3])
     cheap = StepCosts()
     for rows in range(1, 10):
-        cheap.record(rows, rows > 1, 0.010 + 0.0001 * rows)
+        for _ in range(5):
+            cheap.record(rows, rows > 1, 0.010 + 0.0001 * rows)
     assert choose_drafts([quoting], cheap, 8, 1024, 64) > 0
     assert quoting.draft_token_ids == [4, 5, 6, 7, 8, 1, 2, 3][: len(quoting.draft_token_ids)]
 
     dear = StepCosts()  # each row costs as much as a whole step: no draft can pay
     for rows in range(1, 10):
-        dear.record(rows, rows > 1, 0.010 * rows)
+        for _ in range(5):
+            dear.record(rows, rows > 1, 0.010 * rows)
     other = decoding([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3])
     assert choose_drafts([other], dear, 8, 1024, 64) == 0
     assert other.draft_token_ids == []
@@ -96,7 +110,8 @@ def test_drafts_follow_measured_costs():
 
 def test_drafts_respect_limits_and_sampling():
     costs = StepCosts()
-    costs.record(1, False, 0.010)
+    for _ in range(5):
+        costs.record(1, False, 0.010)
     near_end = decoding([1, 2, 3, 4, 5, 6, 1, 2, 3], max_tokens=3)
     choose_drafts([near_end], costs, 8, 1024, 64)
     assert len(near_end.draft_token_ids) <= 1  # one output so far, max_tokens 3
