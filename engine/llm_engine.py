@@ -311,10 +311,10 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-        decode_only = self.runner.decode_only(batch)
         scheduled = clock()
         output, sampling = self.runner.run(batch)
         forwarded = clock()
+        decode_only = self.runner.last_decode_only
         tokens, logprobs, failed = self._sample(output, sampling)  # waits for the device
         sampled = clock()
         path = self.runner.last_path

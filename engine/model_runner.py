@@ -55,6 +55,7 @@ class ModelRunner:
         # the way the last step ran: "step_kernel", "graph", "decode" (decode-only, op by
         # op) or "mixed" (with prefill tokens); the engine times each way (stats)
         self.last_path = ""
+        self.last_decode_only = False  # whether the last step was decode-only (drafts aside)
         # plane * blocks: the first row of each K/V head plane in the flat cache view
         planes = torch.arange(2 * config.num_kv_heads, device=device)
         self.plane_offsets = planes * self.cache.kv.shape[2]
@@ -282,7 +283,7 @@ class ModelRunner:
         """Logits [rows, vocab] fp32 (and, from the step kernel, their greedy tokens) for
         the sequences whose last token was computed: one row each, at their last token,
         followed by one at each of their drafts."""
-        decode_only = self.decode_only(batch)
+        decode_only = self.last_decode_only = self.decode_only(batch)
         if decode_only and self.takes_step_kernel(batch):  # no tensor op to record
             self.last_path = "step_kernel"
             seqs = sorted(batch.seqs, key=len, reverse=True)

@@ -98,8 +98,11 @@ class StepCosts:
     def __init__(self) -> None:
         self.seconds: dict[tuple[int, bool], float] = {}
         self.counts: dict[tuple[int, bool], int] = {}
+        # _points by kind until the next record: a step's choice reads many estimates
+        self._points_cache: dict[bool, list[tuple[int, float]]] = {}
 
     def record(self, rows: int, drafted: bool, seconds: float) -> None:
+        self._points_cache.clear()
         key = (rows, drafted)
         count = self.counts.get(key, 0) + 1
         self.counts[key] = count
@@ -107,11 +110,14 @@ class StepCosts:
         self.seconds[key] = old + max(1 / count, COST_SMOOTHING) * (seconds - old)
 
     def _points(self, drafted: bool) -> list[tuple[int, float]]:
-        return sorted(
-            (rows, value)
-            for (rows, kind), value in self.seconds.items()
-            if kind is drafted and self.counts[(rows, kind)] >= MIN_SAMPLES
-        )
+        points = self._points_cache.get(drafted)
+        if points is None:
+            points = self._points_cache[drafted] = sorted(
+                (rows, value)
+                for (rows, kind), value in self.seconds.items()
+                if kind is drafted and self.counts[(rows, kind)] >= MIN_SAMPLES
+            )
+        return points
 
     def estimate(self, rows: int, drafted: bool) -> float:
         """Seconds of a step of `rows` rows: measured; else between the nearest row counts
