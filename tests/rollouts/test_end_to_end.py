@@ -821,8 +821,11 @@ def test_h_two_stable_replicas_share_the_traffic_and_a_lost_one_is_replaced(
 
             victim = Agent.objects.get(endpoint=sorted(both)[0])
             traffic_start = stack.traffic.mark()
-            killed_wall, killed = timezone.now(), time.monotonic()
+            killed_wall = timezone.now()
             kill_host(stack.agents[victim.name], victim.endpoint)
+            # after the kill, not before: scanning /proc for the engine takes a moment, and
+            # a request sent meanwhile may still reach the engine and break with it
+            killed = time.monotonic()
 
             def replacement_sent() -> bool:
                 loads = AgentCommand.objects.filter(
