@@ -85,14 +85,14 @@ def test_a_tiny_temperature_is_greedy_and_harms_no_one(app) -> None:
 
 def test_one_requests_sampling_failure_ends_that_request_alone(app, monkeypatch) -> None:
     alone = post_all(app, [INNOCENT])[0].json()["choices"][0]["text"]
-    real_sample_row = sampler._sample_row
+    real_draw = sampler._draw
 
-    def failing_for_seed_13(row, seq):
-        if seq.params.seed == 13:
+    def failing_for_seed_13(logits, seqs):
+        if any(seq.params.seed == 13 for seq in seqs):
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real_sample_row(row, seq)
+        return real_draw(logits, seqs)
 
-    monkeypatch.setattr(sampler, "_sample_row", failing_for_seed_13)
+    monkeypatch.setattr(sampler, "_draw", failing_for_seed_13)
     doomed = {**INNOCENT, "temperature": 0.8, "seed": 13}
     answers = post_all(app, [INNOCENT, doomed, INNOCENT])
 
