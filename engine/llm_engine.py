@@ -383,7 +383,7 @@ class LLMEngine:
             return
         if any(seq.num_uncomputed_tokens != 1 for seq in running):
             return
-        rows = self.runner.max_decode_rows or 64
+        rows = self.runner.max_draft_rows
         choose_drafts(
             running,
             self.step_costs,

@@ -8,7 +8,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.config import LlamaConfig
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import GRAPH_ROWS, DecodeGraphs
+from engine.models.layers import SMALL_BATCH_ROWS
 from engine.models.llama import (
     AttentionMetadata,
     DecodeGroup,
@@ -22,6 +23,7 @@ from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
 MAX_DECODE_GROUPS = 4
+MAX_DRAFT_ROWS = GRAPH_ROWS[-1]  # the largest decode graph's rows
 GROUP_FILL = 0.7  # a row joins a decode group while it fills this much of its width
 # Prefill attention on CUDA: not cuDNN's, which builds an execution plan for each new
 # shape (on an H200 a first step of new prompt lengths took up to 0.96 s, and the serving
@@ -84,13 +86,27 @@ class ModelRunner:
         logits_indices: list[int] = []
         sampling: list[Sequence] = []
         prefills: list[PrefillChunk] = []
-        num_decode = batch.num_single_token
-        # Single-token rows longest first, so that decode groups of similar lengths pad little.
-        decode_seqs = sorted(batch.seqs[:num_decode], key=len, reverse=True)
-        seqs = decode_seqs + batch.seqs[num_decode:]
+        pairs = list(zip(batch.seqs, batch.num_new_tokens, strict=True))
+        # Single-token rows (decodes, or a chunk of one prompt token) longest first, so that
+        # decode groups of similar lengths pad little; then decodes with drafts; then chunks.
+        singles = sorted(
+            (pair for pair in pairs if pair[1] == 1),
+            key=lambda pair: pair[0].num_computed_tokens,
+            reverse=True,
+        )
+        drafted = [pair for pair in pairs if pair[1] > 1 and pair[0].draft_token_ids]
+        chunks = [pair for pair in pairs if pair[1] > 1 and not pair[0].draft_token_ids]
+        ordered = singles + drafted + chunks
+        seqs = [seq for seq, _ in ordered]
+        counts = [count for _, count in ordered]
+        num_decode = len(singles)
         use_kernel = self.uses_decode_kernel  # the decode rows attend through the kernel
         kernel_prefill = use_kernel and self.model.kernel_prefill  # and the prefill chunks
-        for index, (seq, count) in enumerate(zip(seqs, batch.num_new_tokens, strict=True)):
+        # With the kernel, drafts attend through it as decode rows do, token by token: an
+        # SDPA chunk rounds differently (q in fp32), and verification must see the logits
+        # plain decoding would.
+        num_rows = num_decode + len(drafted) if use_kernel else num_decode
+        for index, (seq, count) in enumerate(ordered):
             start = len(input_ids)
             done = seq.num_computed_tokens
             table = seq.block_table
@@ -104,7 +120,7 @@ class ModelRunner:
                 # logits at the last token and at each draft (speculative decoding)
                 logits_indices.extend(range(start + count - 1 - drafts, start + count))
                 sampling.append(seq)
-            if index >= num_decode and not kernel_prefill:
+            if index >= num_rows and not kernel_prefill:
                 gather_ids = mask = None
                 if done:
                     blocks = -(-(done + count) // size)
@@ -119,13 +135,13 @@ class ModelRunner:
         )
         meta.num_decode = num_decode
         if kernel_prefill:
-            meta.decode_table = self._attention_table(seqs, batch.num_new_tokens, num_decode)
-        elif use_kernel and decode_seqs:
+            meta.decode_table = self._attention_table(seqs, counts, num_decode)
+        elif use_kernel and num_rows:
             meta.decode_table = self._attention_table(
-                decode_seqs, batch.num_new_tokens[:num_decode], num_decode
+                seqs[:num_rows], counts[:num_rows], num_decode
             )
-        elif decode_seqs:
-            meta.decode_groups = self._decode_groups(decode_seqs)
+        elif num_decode:
+            meta.decode_groups = self._decode_groups(seqs[:num_decode])
         return (
             torch.tensor(input_ids, device=self.device),
             torch.tensor(positions, device=self.device),
@@ -175,7 +191,9 @@ class ModelRunner:
         costs a few more operations per layer, hence at most MAX_DECODE_GROUPS.
         """
         size = self.block_size
-        widths = [-(-len(seq) // size) for seq in seqs]  # blocks, with the token computed now
+        # each row's keys end at its own token: a decode's last, or a prompt's one-token chunk
+        ends = [seq.num_computed_tokens + 1 for seq in seqs]
+        widths = [-(-end // size) for end in ends]  # blocks, with the token computed now
         groups: list[DecodeGroup] = []
         start = 0
         while start < len(seqs):
@@ -189,7 +207,7 @@ class ModelRunner:
                 row = seq.block_table[:width]
                 block_ids.extend(row)
                 block_ids.extend([0] * (width - len(row)))  # padding, masked out below
-            lengths = torch.tensor([len(seq) for seq in seqs[start:end]], device=self.device)
+            lengths = torch.tensor(ends[start:end], device=self.device)
             key_positions = torch.arange(width * size, device=self.device)
             padding = key_positions[None, :] >= lengths[:, None]
             bias = torch.zeros(padding.shape, dtype=self.compute_dtype, device=self.device)
@@ -246,6 +264,20 @@ class ModelRunner:
         if self.model.step_kernel is not None and self.cache.kv.dtype == torch.bfloat16:
             return self.model.step_max_rows
         return 0
+
+    @property
+    def max_draft_rows(self) -> int:
+        """The most rows a decode step with drafts may have: greedy verification keeps plain
+        decoding's tokens only where each row computes as it would in a step of its own. The
+        step kernel does at any of its row counts; fp32 compute on bf16 or int8 weights
+        rounds steps of up to SMALL_BATCH_ROWS rows to bf16 and keeps more in fp32, so
+        drafts stay within those few rows there."""
+        if self.max_decode_rows:
+            return self.max_decode_rows
+        model = self.model
+        if model.compute_dtype == torch.float32 and model.storage != "float32":
+            return SMALL_BATCH_ROWS
+        return MAX_DRAFT_ROWS
 
     def takes_step_kernel(self, batch: ScheduledBatch) -> bool:
         """Whether a decode-only step is the step kernel's: few enough rows."""

@@ -27,15 +27,6 @@ class ScheduledBatch:
     num_preempted: int = 0
 
     @property
-    def num_single_token(self) -> int:
-        count = 0
-        for n in self.num_new_tokens:
-            if n != 1:
-                break
-            count += 1
-        return count
-
-    @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 

@@ -10,6 +10,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.scheduler import ScheduledBatch
+from engine.sequence import SamplingParams, Sequence
 from tests.engine.test_attention import compare_steps
 
 
@@ -80,3 +82,47 @@ def test_warm_up_runs_a_mixed_step_after_cached_context(tiny_llama: Path, max_mo
     assert bool(mixed_after_context) == (max_model_len == 512), steps
     assert engine.block_manager.usage == 0
     assert engine.block_manager.prefix_cache_queries == engine.block_manager.prefix_cache_hits == 0
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_a_one_token_chunk_of_a_prompt_attends_to_its_prefix_alone(tiny_llama: Path, kernels: bool):
+    """A budget can leave a prompt a chunk of one token, which runs among the single-token
+    rows: its keys end at its own position, not at the prompt's end. The prompt's last
+    logits match those of the prompt computed in one chunk."""
+    config = EngineConfig(
+        model=str(tiny_llama), dtype="bfloat16" if kernels else "float32", num_blocks=64,
+        block_size=16, max_model_len=256,
+    )  # fmt: skip
+    engine = LLMEngine(config)
+    engine.load()
+    engine.runner.model.set_kernels(kernels)
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 400) for _ in range(40)]
+    other = [rng.randrange(3, 400) for _ in range(10)]
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+
+    def last_logits(plan: list[list[tuple[int, int]]]) -> torch.Tensor:
+        seqs = [Sequence(token_ids=list(p), params=params) for p in (prompt, other)]
+        for seq in seqs:
+            assert engine.block_manager.allocate(seq)
+            assert engine.block_manager.ensure_capacity(seq, len(seq))
+        logits = torch.empty(0)
+        for step in plan:
+            batch = ScheduledBatch()
+            for index, count in step:
+                batch.seqs.append(seqs[index])
+                batch.num_new_tokens.append(count)
+            output, sampling = engine.runner.run(batch)
+            for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
+                seq.num_computed_tokens += count
+            if seqs[0] in sampling:
+                logits = output.logits[sampling.index(seqs[0])]
+        for seq in seqs:
+            engine.block_manager.free(seq)
+        return logits
+
+    whole = last_logits([[(0, 40)]])
+    # the one-token chunk beside another prompt's chunk (a mixed step), then alone
+    chunked = last_logits([[(0, 20)], [(0, 1), (1, 10)], [(0, 1)], [(0, 18)]])
+    scale = whole.abs().max().item()
+    assert (chunked - whole).abs().max().item() <= (0.05 if kernels else 1e-4) * scale

@@ -190,8 +190,8 @@ def test_verified_drafts_give_greedy_decodings_tokens(
     model: str, dtype: str, step_kernel: bool, device: str, request: pytest.FixtureRequest,
     monkeypatch: pytest.MonkeyPatch,
 ):  # fmt: skip
-    """Drafts from greedy decoding's own output, every third step one of them wrong: the
-    output is the same, drafts are accepted up to the wrong one."""
+    """Drafts from greedy decoding's own output, often one of them wrong: the output is the
+    same, drafts are accepted up to the wrong one."""
     folder = request.getfixturevalue(model)
     plain = new_engine(folder, dtype, "off", step_kernel, device)
     expected = generate(plain, PROMPTS, 40)
@@ -202,8 +202,11 @@ def test_verified_drafts_give_greedy_decodings_tokens(
     def oracle(self: NgramIndex, tokens: list[int], limit: int) -> list[int]:
         full = next(t for p, t in texts.items() if tokens[: len(p)] == list(p))
         drafts = full[len(tokens) : len(tokens) + limit]
-        if len(tokens) % 3 == 0 and len(drafts) > 1:
-            drafts[1] = (drafts[1] + 1) % 500
+        # the first or the second wrong: a step kernel of 4 rows (no avx512_bf16) gives
+        # three requests one draft between them
+        wrong = {0: 0, 1: 1}.get(len(tokens) % 3)
+        if wrong is not None and wrong < len(drafts):
+            drafts[wrong] = (drafts[wrong] + 1) % 500
         return drafts
 
     monkeypatch.setattr(NgramIndex, "propose", oracle)
