@@ -270,6 +270,28 @@ def _fix_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
+def constants(
+    group: int, block_q: int, dim: int, block_size: int, cache_dtype: torch.dtype, device: str
+) -> dict[str, Any]:
+    """The kernel's constexpr arguments."""
+    block_d = max(MIN_DOT, next_power_of_2(dim))
+    # The interpreter multiplies bf16 blocks wrongly (numpy has no bf16): there the
+    # operands, rounded to the cache dtype as on the GPU, multiply in fp32.
+    upcast = device != "cuda"
+    return {
+        "GROUP": group,
+        "BLOCK_Q": block_q,
+        "ROWS": max(MIN_DOT, next_power_of_2(block_q * group)),
+        "HEAD_DIM": dim,
+        "BLOCK_D": block_d,
+        "BLOCK_SIZE": block_size,
+        "TILE_N": 64 if block_d <= 64 else 32,
+        # fp32 exactly (not TF32) where products are fp32; bf16/fp16 ones accumulate in fp32
+        "PRECISION": "ieee" if upcast or cache_dtype == torch.float32 else None,
+        "UPCAST": upcast,
+    }
+
+
 def paged_attention(
     q: torch.Tensor,
     cache_layer: torch.Tensor,
@@ -295,14 +317,6 @@ def paged_attention(
         out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
     elif out.stride(2) != 1:
         raise ValueError("out's head dimension must be contiguous")
-    block_d = max(MIN_DOT, next_power_of_2(dim))
-    rows = max(MIN_DOT, next_power_of_2(meta.block_q * group))
-    tile_n = 64 if block_d <= 64 else 32
-    # The interpreter multiplies bf16 blocks wrongly (numpy has no bf16): there the
-    # operands, rounded to the cache dtype as on the GPU, multiply in fp32.
-    upcast = q.device.type != "cuda"
-    # fp32 exactly (not TF32) where products are fp32; bf16/fp16 ones accumulate in fp32
-    precision = "ieee" if upcast or cache_layer.dtype == torch.float32 else None
     grid = (meta.tile_seqs.shape[0], num_kv_heads)
     kernel_for(q.device)[grid](
         q,
@@ -324,15 +338,7 @@ def paged_attention(
         cache_layer.stride(1),
         cache_layer.stride(2),
         meta.block_tables.stride(0),
-        GROUP=group,
-        BLOCK_Q=meta.block_q,
-        ROWS=rows,
-        HEAD_DIM=dim,
-        BLOCK_D=block_d,
-        BLOCK_SIZE=block_size,
-        TILE_N=tile_n,
-        PRECISION=precision,
-        UPCAST=upcast,
+        **constants(group, meta.block_q, dim, block_size, cache_layer.dtype, q.device.type),
         num_warps=4,
     )
     return out

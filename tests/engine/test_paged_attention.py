@@ -186,3 +186,27 @@ def test_build_metadata_lays_out_tiles():
     assert meta.block_tables.dtype == torch.int32
     with pytest.raises(ValueError, match="do not fit"):
         pa.build_metadata([[3], [1, 2]], [5, 20], [1, 18], block_q=8, device="cpu", num_tiles=3)
+
+
+def test_compiles_for_cuda_without_a_gpu():
+    """The compiled path through Triton's whole pipeline to an sm_90 cubin (its bundled
+    ptxas), no GPU needed: bf16 products, 3 query heads per KV head, head_dim 80 padded."""
+    backends = pytest.importorskip("triton.backends.compiler")
+    from triton.compiler import ASTSource, compile
+    from triton.runtime.jit import JITFunction
+
+    kernel = JITFunction(pa._paged_attention)
+    const = pa.constants(3, pa.tokens_per_tile(3), 80, 16, torch.bfloat16, "cuda")
+    signature = {name: "i32" for name in kernel.arg_names}
+    signature.update({name: "constexpr" for name in const})
+    pointers = ["q_ptr", "cache_ptr", "out_ptr"]
+    signature.update({name: "*bf16" for name in pointers}, scale="fp32")
+    for name in ("block_tables_ptr", "seq_lens_ptr", "query_starts_ptr"):
+        signature[name] = "*i32"
+    signature.update(tile_seqs_ptr="*i32", tile_starts_ptr="*i32")
+    source = ASTSource(kernel, signature, constexprs=const)
+    try:
+        compiled = compile(source, target=backends.GPUTarget("cuda", 90, 32))
+    except RuntimeError as error:  # no ptxas for this platform
+        pytest.skip(f"no CUDA toolchain: {error}")
+    assert compiled.asm["cubin"]
