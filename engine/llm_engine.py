@@ -28,7 +28,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, LlamaConfig, validate_faults
 from engine.loader import load_checkpoint, resolve_model_path
 from engine.metrics import EngineMetrics
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, attention_backend_for
 from engine.models.layers import Linear, cpu_has_native_bf16
 from engine.models.llama import KVCache, LlamaModel, StepLogits
 from engine.sampler import greedy_tokens, sample
@@ -172,6 +172,7 @@ class LLMEngine:
             cache_dtype,
             self.device,
             graph_blocks,
+            attention_backend_for(config.attention_backend, self.device),
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens

@@ -62,6 +62,11 @@ class PagedAttentionMetadata:
     tile_starts: torch.Tensor  # [tiles]: the tile's first row of q
     block_q: int  # query tokens per tile
 
+    def __post_init__(self) -> None:
+        vectors = (self.seq_lens, self.query_starts, self.tile_seqs, self.tile_starts)
+        if self.block_tables.stride(1) != 1 or any(v.stride(0) != 1 for v in vectors):
+            raise ValueError("the kernel reads block table rows and the vectors contiguous")
+
 
 def build_metadata(
     block_tables: list[list[int]],
