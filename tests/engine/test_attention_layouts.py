@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine import model_runner
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.llm_engine import LLMEngine
+from engine.model_runner import attention_backend_for
 from engine.models.paged_attention import triton_available
 from engine.scheduler import ScheduledBatch
 from engine.sequence import SamplingParams, Sequence
@@ -155,3 +157,22 @@ def test_triton_kernel_matches_the_torch_path(tiny_llama: Path):
         padded.append(graphs.run(engine_seqs))
     assert padded[0].shape == (6, engines[0].model_config.vocab_size)
     torch.testing.assert_close(padded[0], padded[1], atol=1e-4, rtol=1e-4)
+
+
+def test_attention_backend_setting(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch):
+    """auto is PyTorch ops on CPU, and on CUDA without Triton; triton where it cannot run
+    is refused at load with the reason; an unknown name at construction."""
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, triton, torch"):
+        EngineConfig(model=str(tiny_llama), attention_backend="flash")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert attention_backend_for("auto", cpu) == "torch"
+    assert attention_backend_for("torch", cuda) == "torch"
+    config = EngineConfig(model=str(tiny_llama), num_blocks=64, attention_backend="triton")
+    with pytest.raises(ValueError, match="attention_backend triton: needs CUDA"):
+        LLMEngine(config).load()
+    monkeypatch.setattr(model_runner, "triton_available", lambda: "triton not importable: x")
+    assert attention_backend_for("auto", cuda) == "torch"
+    with pytest.raises(ValueError, match="attention_backend triton: triton not importable"):
+        attention_backend_for("triton", cuda)
+    monkeypatch.setattr(model_runner, "triton_available", lambda: None)
+    assert attention_backend_for("auto", cuda) == "triton"
