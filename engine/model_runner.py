@@ -161,7 +161,11 @@ class ModelRunner:
         if self.paged:
             group = self.config.num_heads // self.config.num_kv_heads
             meta.paged = build_metadata(
-                tables, seq_lens, batch.num_new_tokens, tokens_per_tile(group), self.device
+                tables,
+                seq_lens,
+                batch.num_new_tokens,
+                tokens_per_tile(group, max(batch.num_new_tokens)),
+                self.device,
             )
         elif kernel_prefill:
             meta.decode_table = self._attention_table(seqs, batch.num_new_tokens, num_decode)

@@ -34,7 +34,9 @@ except ImportError as error:  # CPU-only installs: the engine runs without Trito
     IMPORT_ERROR = f"triton not importable: {error}"
 
 MIN_DOT = 16  # tl.dot wants every operand dimension >= 16
-TARGET_ROWS = 64  # query rows (tokens * group) per program
+# query rows (tokens * group) per program where a step has a longer chunk: K/V loads shared
+# by more queries; steps of single tokens and short drafts take MIN_DOT
+TARGET_ROWS = 64
 
 
 def triton_available() -> str | None:
@@ -46,14 +48,17 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def tokens_per_tile(group: int) -> int:
-    """Query tokens per program for GROUP query heads per KV head: about TARGET_ROWS rows."""
-    return max(1, TARGET_ROWS // group)
+def tokens_per_tile(group: int, longest_query: int) -> int:
+    """Query tokens per program for GROUP query heads per KV head, in a step whose longest
+    sequence has `longest_query` query tokens."""
+    rows = MIN_DOT if longest_query * group <= MIN_DOT else TARGET_ROWS
+    return max(1, rows // group)
 
 
 @dataclass(slots=True)
 class PagedAttentionMetadata:
-    """Views of one int32 tensor (one host-to-device copy per step)."""
+    """What the kernel reads besides q and the cache (build_metadata makes every field a
+    view of one int32 tensor: one host-to-device copy per step)."""
 
     block_tables: torch.Tensor  # [seqs, width] int32 (int64 accepted): block of key // block_size
     seq_lens: torch.Tensor  # [seqs]: keys of the sequence, this step's tokens included
@@ -119,120 +124,120 @@ def build_metadata(
     )
 
 
-if tl is not None:
+# Annotations stay strings (__future__), so this defines without Triton; tl is read
+# when the kernel compiles or is interpreted.
+def _paged_attention(
+    q_ptr,
+    cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_starts_ptr,
+    tile_seqs_ptr,
+    tile_starts_ptr,
+    scale,
+    num_kv_heads,
+    stride_q_token,
+    stride_q_head,
+    stride_q_dim,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_plane,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_table,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1).to(tl.int64)
+    seq = tl.load(tile_seqs_ptr + tile)
+    if seq < 0:  # padding of a fixed-size tile table
+        return
+    tile_start = tl.load(tile_starts_ptr + tile)
+    query_start = tl.load(query_starts_ptr + seq)
+    query_end = tl.load(query_starts_ptr + seq + 1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - (query_end - query_start)  # keys before the chunk's first token
 
-    def _paged_attention(
-        q_ptr,
-        cache_ptr,
-        out_ptr,
-        block_tables_ptr,
-        seq_lens_ptr,
-        query_starts_ptr,
-        tile_seqs_ptr,
-        tile_starts_ptr,
-        scale,
-        num_kv_heads,
-        stride_q_token,
-        stride_q_head,
-        stride_q_dim,
-        stride_out_token,
-        stride_out_head,
-        stride_cache_plane,
-        stride_cache_block,
-        stride_cache_slot,
-        stride_table,
-        GROUP: tl.constexpr,
-        BLOCK_Q: tl.constexpr,
-        ROWS: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
-        TILE_N: tl.constexpr,
-        PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr,
-    ):
-        tile = tl.program_id(0)
-        kv_head = tl.program_id(1).to(tl.int64)
-        seq = tl.load(tile_seqs_ptr + tile)
-        if seq < 0:  # padding of a fixed-size tile table
-            return
-        tile_start = tl.load(tile_starts_ptr + tile)
-        query_start = tl.load(query_starts_ptr + seq)
-        query_end = tl.load(query_starts_ptr + seq + 1)
-        seq_len = tl.load(seq_lens_ptr + seq)
-        context = seq_len - (query_end - query_start)  # keys before the chunk's first token
+    # row r: token r // GROUP of the tile, query head kv_head * GROUP + r % GROUP
+    rows = tl.arange(0, ROWS)
+    token = tile_start + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (token < query_end)
+    position = context + token - query_start  # the token's position: its last key
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < HEAD_DIM
 
-        # row r: token r // GROUP of the tile, query head kv_head * GROUP + r % GROUP
-        rows = tl.arange(0, ROWS)
-        token = tile_start + rows // GROUP
-        head = kv_head * GROUP + rows % GROUP
-        row_valid = (rows < BLOCK_Q * GROUP) & (token < query_end)
-        position = context + token - query_start  # the token's position: its last key
-        dims = tl.arange(0, BLOCK_D)
-        dim_valid = dims < HEAD_DIM
+    q_offsets = (
+        token.to(tl.int64)[:, None] * stride_q_token
+        + head[:, None] * stride_q_head
+        + dims[None, :] * stride_q_dim
+    )
+    io_mask = row_valid[:, None] & dim_valid[None, :]
+    # q in the cache's dtype: tensor-core products of bf16 where the cache is bf16
+    q = tl.load(q_ptr + q_offsets, mask=io_mask, other=0.0).to(cache_ptr.dtype.element_ty)
+    if UPCAST:
+        q = q.to(tl.float32)
 
-        q_offsets = (
-            token.to(tl.int64)[:, None] * stride_q_token
-            + head[:, None] * stride_q_head
-            + dims[None, :] * stride_q_dim
+    qk_scale = scale * 1.4426950408889634  # exp2 below: log2(e) folded into the scale
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.full([ROWS], 0.0, tl.float32)
+    acc = tl.full([ROWS, BLOCK_D], 0.0, tl.float32)
+
+    last_token = tl.minimum(tile_start + BLOCK_Q, query_end) - 1
+    num_keys = context + last_token - query_start + 1
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
+    k_plane = kv_head * stride_cache_plane
+    v_plane = (num_kv_heads + kv_head) * stride_cache_plane
+    for key_start in range(0, num_keys, TILE_N):
+        keys = key_start + tl.arange(0, TILE_N)
+        key_valid = keys < num_keys
+        block = tl.load(table_row + keys // BLOCK_SIZE, mask=key_valid, other=0)
+        slot_offsets = (
+            block.to(tl.int64) * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
         )
-        io_mask = row_valid[:, None] & dim_valid[None, :]
-        # q in the cache's dtype: tensor-core products of bf16 where the cache is bf16
-        q = tl.load(q_ptr + q_offsets, mask=io_mask, other=0.0).to(cache_ptr.dtype.element_ty)
+        kv_offsets = slot_offsets[:, None] + dims[None, :]
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+        k = tl.load(cache_ptr + k_plane + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(cache_ptr + v_plane + kv_offsets, mask=kv_mask, other=0.0)
         if UPCAST:
-            q = q.to(tl.float32)
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
 
-        qk_scale = scale * 1.4426950408889634  # exp2 below: log2(e) folded into the scale
-        m_i = tl.full([ROWS], float("-inf"), tl.float32)
-        l_i = tl.full([ROWS], 0.0, tl.float32)
-        acc = tl.full([ROWS, BLOCK_D], 0.0, tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        causal = (keys[None, :] <= position[:, None]) & key_valid[None, :]
+        scores = tl.where(causal, scores, float("-inf"))
+        # tl.max and tl.sum, spelled as their reductions: those two (and tl.zeros) are
+        # @jit functions, which the interpreter cannot call when Triton was imported
+        # without TRITON_INTERPRET; it runs these reductions in numpy
+        m_new = tl.maximum(m_i, tl.reduce(scores, 1, tl.standard._elementwise_max))
+        # padding rows see no key: keep their exponents finite (their output is not stored)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(scores - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+        p = p.to(cache_ptr.dtype.element_ty)  # rounded as in a product of the cache dtype
+        if UPCAST:
+            p = p.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m_i = m_new
 
-        last_token = tl.minimum(tile_start + BLOCK_Q, query_end) - 1
-        num_keys = context + last_token - query_start + 1
-        table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
-        k_plane = kv_head * stride_cache_plane
-        v_plane = (num_kv_heads + kv_head) * stride_cache_plane
-        for key_start in range(0, num_keys, TILE_N):
-            keys = key_start + tl.arange(0, TILE_N)
-            key_valid = keys < num_keys
-            block = tl.load(table_row + keys // BLOCK_SIZE, mask=key_valid, other=0)
-            slot_offsets = (
-                block.to(tl.int64) * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
-            )
-            kv_offsets = slot_offsets[:, None] + dims[None, :]
-            kv_mask = key_valid[:, None] & dim_valid[None, :]
-            k = tl.load(cache_ptr + k_plane + kv_offsets, mask=kv_mask, other=0.0)
-            v = tl.load(cache_ptr + v_plane + kv_offsets, mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            causal = (keys[None, :] <= position[:, None]) & key_valid[None, :]
-            scores = tl.where(causal, scores, float("-inf"))
-            # tl.max and tl.sum, spelled as their reductions: those two (and tl.zeros) are
-            # @jit functions, which the interpreter cannot call when Triton was imported
-            # without TRITON_INTERPRET; it runs these reductions in numpy
-            m_new = tl.maximum(m_i, tl.reduce(scores, 1, tl.standard._elementwise_max))
-            # padding rows see no key: keep their exponents finite (their output is not stored)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(scores - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-            p = p.to(cache_ptr.dtype.element_ty)  # rounded as in a product of the cache dtype
-            if UPCAST:
-                p = p.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-            m_i = m_new
-
-        l_i = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / l_i[:, None]
-        out_offsets = (
-            token.to(tl.int64)[:, None] * stride_out_token
-            + head[:, None] * stride_out_head
-            + dims[None, :]
-        )
-        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    out_offsets = (
+        token.to(tl.int64)[:, None] * stride_out_token
+        + head[:, None] * stride_out_head
+        + dims[None, :]
+    )
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 _kernels: dict[str, Any] = {}

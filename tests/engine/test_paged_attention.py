@@ -104,7 +104,7 @@ def check(
         case.tables,
         case.seq_lens,
         case.query_lens,
-        block_q or pa.tokens_per_tile(group),
+        block_q or pa.tokens_per_tile(group, max(count for _, count in seqs)),
         device,
         num_tiles,
     )
@@ -196,7 +196,7 @@ def test_compiles_for_cuda_without_a_gpu():
     from triton.runtime.jit import JITFunction
 
     kernel = JITFunction(pa._paged_attention)
-    const = pa.constants(3, pa.tokens_per_tile(3), 80, 16, torch.bfloat16, "cuda")
+    const = pa.constants(3, pa.tokens_per_tile(3, 100), 80, 16, torch.bfloat16, "cuda")
     signature = {name: "i32" for name in kernel.arg_names}
     signature.update({name: "constexpr" for name in const})
     pointers = ["q_ptr", "cache_ptr", "out_ptr"]
