@@ -1,7 +1,9 @@
 """Llama-family decoder over a paged KV cache: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
 All sequences of a step are flattened into one token axis so every matmul sees the
-whole batch. Only attention is per sequence: where the fused bf16 kernel
+whole batch. Only attention is per sequence: on CUDA with Triton, every token of the
+step is a query of one launch of the paged attention kernel (paged_attention.py); where
+the fused bf16 CPU kernel
 (decode_attention.c) is available, every decode row is one of its rows, with its own
 blocks and length, and with bf16 compute so is every token of a prefill chunk (causal by
 their lengths); else single-token rows (decodes) run in groups of similar length against
