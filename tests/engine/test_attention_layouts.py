@@ -89,7 +89,17 @@ def test_warm_up_runs_a_mixed_step_after_cached_context(tiny_llama: Path, max_mo
 
 
 @pytest.mark.skipif(triton_available() is not None, reason=f"{triton_available()}")
-def test_triton_kernel_matches_the_torch_path(tiny_llama: Path):
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ),
+    ],
+)
+def test_triton_kernel_matches_the_torch_path(tiny_llama: Path, device: str):
     """Every token of a step in the Triton paged attention kernel (on CPU through Triton's
     interpreter) against PyTorch ops, both fp32: the same logits at every step of prompts,
     a chunk after cached context, a prompt whose first block is a prefix-cache hit, decode
@@ -98,7 +108,7 @@ def test_triton_kernel_matches_the_torch_path(tiny_llama: Path):
     engines = []
     for backend in ("triton", "torch"):
         config = EngineConfig(
-            model=str(tiny_llama), num_blocks=64, block_size=16, max_model_len=128
+            model=str(tiny_llama), device=device, num_blocks=64, block_size=16, max_model_len=128
         )
         engine = LLMEngine(config)
         engine.load()
