@@ -90,6 +90,10 @@ OPTIONS: dict[str, dict[str, Option]] = {
         # n-gram speculative decoding (engine/speculative.py; engine.config's modes)
         "speculative": Option("choice", "--speculative", choices=("auto", "off")),
         "num_speculative_tokens": Option("int", "--num-speculative-tokens", 1, 32),
+        # engine.config's ATTENTION_BACKENDS
+        "attention_backend": Option(
+            "choice", "--attention-backend", choices=("auto", "triton", "torch")
+        ),
     },
     VLLM: {
         "tensor_parallel_size": Option("int", "--tensor-parallel-size", 1, 64),

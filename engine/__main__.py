@@ -24,6 +24,7 @@ from contracts.tracing import tracing_configure
 from engine.config import (
     ADMIN_SECRET_VARIABLE,
     AGENT_NAME_VARIABLE,
+    ATTENTION_BACKENDS,
     DTYPES,
     MAX_SPECULATIVE_TOKENS,
     SERVING_SECRET_VARIABLE,
@@ -95,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=8,
         help=f"most drafts per request and step (1..{MAX_SPECULATIVE_TOKENS})",
+    )
+    serve.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="auto (default): the Triton paged attention kernel on CUDA where Triton imports,"
+        " else PyTorch ops; triton: that kernel (CUDA only); torch: PyTorch ops",
     )
     serve.add_argument("--fault-latency-ms", type=float, default=0.0)
     serve.add_argument("--fault-error-rate", type=float, default=0.0)
@@ -172,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             enforce_eager=args.enforce_eager,
             speculative=args.speculative,
             num_speculative_tokens=args.num_speculative_tokens,
+            attention_backend=args.attention_backend,
             fault_latency_ms=args.fault_latency_ms,
             fault_error_rate=args.fault_error_rate,
         )

@@ -11,6 +11,7 @@ from contracts.capacity import BUILTIN_KV_CACHE_MB
 
 DTYPES = ("float32", "bfloat16", "int8")
 SPECULATIVE_MODES = ("auto", "off")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
 MAX_SPECULATIVE_TOKENS = 32
 
 # The environment variables an engine reads its two secrets from (never argv: other users
@@ -79,6 +80,9 @@ class EngineConfig:
     # faster, "off" never; at most this many drafts per request and step
     speculative: str = "auto"
     num_speculative_tokens: int = 8
+    # attention: "triton" (engine/models/paged_attention.py, CUDA only), "torch" (PyTorch
+    # ops and the CPU kernels), "auto": triton on CUDA where Triton imports, else torch
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -102,6 +106,11 @@ class EngineConfig:
             raise ValueError(
                 f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, "
                 f"got {self.speculative!r}"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
             )
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(

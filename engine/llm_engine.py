@@ -28,7 +28,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, LlamaConfig, validate_faults
 from engine.loader import load_checkpoint, resolve_model_path
 from engine.metrics import EngineMetrics
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, attention_backend_for
 from engine.models.layers import Linear, cpu_has_native_bf16
 from engine.models.llama import KVCache, LlamaModel, StepLogits
 from engine.sampler import greedy_tokens, sample
@@ -103,6 +103,7 @@ class LLMEngine:
         self.config = config
         self.state = "loading"
         self.device = torch.device(config.device) if config.device else pick_device()
+        self.attention_backend = ""  # "triton" or "torch", once loaded
         self.metrics = EngineMetrics(config.served_model_name)
         self.fault_latency_ms = config.fault_latency_ms
         self.fault_error_rate = config.fault_error_rate
@@ -144,6 +145,8 @@ class LLMEngine:
             )
         self.metrics.set_max_model_len(config.max_model_len)
         self.compute_dtype = compute_dtype_for(config.dtype, self.device)
+        # before the model is built: an explicit triton that cannot run fails at once
+        self.attention_backend = attention_backend_for(config.attention_backend, self.device)
         cache_dtype = torch.float32 if config.dtype == "float32" else torch.bfloat16
         if self.device.type == "cuda":
             cache_dtype = self.compute_dtype
@@ -172,6 +175,7 @@ class LLMEngine:
             cache_dtype,
             self.device,
             graph_blocks,
+            self.attention_backend,
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
@@ -181,8 +185,8 @@ class LLMEngine:
         del checkpoint
         return_freed_memory()
         logger.info(
-            "loaded %s (%s, %s on %s) in %.1fs: %d KV blocks of %d tokens",
-            path.name, config.dtype, self.compute_dtype, self.device,
+            "loaded %s (%s, %s on %s, %s attention) in %.1fs: %d KV blocks of %d tokens",
+            path.name, config.dtype, self.compute_dtype, self.device, self.attention_backend,
             time.monotonic() - started, config.num_blocks, config.block_size,
         )  # fmt: skip
 
@@ -592,6 +596,8 @@ class LLMEngine:
             "step_seconds": {path: round(t, 6) for path, t in self.step_seconds.items()},
             "step_phase_seconds": {phase: round(t, 6) for phase, t in self.phase_seconds.items()},
             "speculative": self.speculative_stats(),
+            # "triton" (engine/models/paged_attention.py) or "torch"
+            "attention_backend": self.attention_backend,
             # CUDA graphs that replay decode steps (0: every step runs op by op)
             "decode_graphs": len(self.runner.graphs.graphs)
             if self.state != "loading" and self.runner.graphs_ready and self.runner.graphs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -19,6 +20,7 @@ from engine.models.llama import (
     PrefillChunk,
     StepLogits,
 )
+from engine.models.paged_attention import build_metadata, tokens_per_tile, triton_available
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
@@ -29,6 +31,25 @@ GROUP_FILL = 0.7  # a row joins a decode group while it fills this much of its w
 # shape (on an H200 a first step of new prompt lengths took up to 0.96 s, and the serving
 # workload's mixed steps 167 ms on average against 28 ms once shapes repeat)
 CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+logger = logging.getLogger(__name__)
+
+
+def attention_backend_for(setting: str, device: torch.device) -> str:
+    """ "triton" or "torch" for the engine setting attention_backend (engine.config) on
+    `device`: auto takes the Triton kernel on CUDA where Triton imports; an explicit
+    "triton" where it cannot run is an error (tests force it on CPU through
+    ModelRunner.set_attention_backend, in Triton's interpreter)."""
+    if setting == "torch":
+        return "torch"
+    reason = "needs CUDA" if device.type != "cuda" else triton_available()
+    if reason is None:
+        return "triton"
+    if setting == "triton":
+        raise ValueError(f"attention_backend triton: {reason}")
+    if device.type == "cuda":
+        logger.info("attention in PyTorch ops: %s", reason)
+    return "torch"
 
 
 class ModelRunner:
@@ -41,9 +62,11 @@ class ModelRunner:
         cache_dtype: torch.dtype,
         device: torch.device,
         graph_blocks: int = 0,
+        attention_backend: str = "torch",
     ):
         """graph_blocks: on CUDA, replay decode-only steps from CUDA graphs for block tables
-        of up to this many blocks (engine/cuda_graphs.py; 0: every step runs eagerly)."""
+        of up to this many blocks (engine/cuda_graphs.py; 0: every step runs eagerly).
+        attention_backend: "triton" (engine/models/paged_attention.py) or "torch"."""
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -70,6 +93,17 @@ class ModelRunner:
         # (embedding_bag took 52 us a call on an H200). The CPU keeps the masks and
         # embedding_bag. Both give the same attention (tests/engine/test_attention_layouts.py).
         self.gpu_layout = device.type == "cuda"
+        self.paged = False  # every token through the Triton kernel (set_attention_backend)
+        self.set_attention_backend(attention_backend)
+
+    def set_attention_backend(self, backend: str) -> None:
+        """ "triton": every step's attention, graphs' too, in the Triton paged attention
+        kernel (on CPU through Triton's interpreter: tests only); "torch": PyTorch ops and
+        the CPU kernels."""
+        if backend not in ("triton", "torch"):
+            raise ValueError(f"attention backend must be triton or torch, got {backend!r}")
+        self.paged = self.model.paged_attention = backend == "triton"
+        self.attention_backend = backend
 
     def gather_ids(self, block_ids: list[int]) -> torch.Tensor:
         """Rows of the flat [planes * num_blocks, block] cache view for gather_blocks."""
@@ -100,12 +134,15 @@ class ModelRunner:
         seqs = [seq for seq, _ in ordered]
         counts = [count for _, count in ordered]
         num_decode = len(singles)
-        use_kernel = self.uses_decode_kernel  # the decode rows attend through the kernel
+        use_kernel = self.uses_decode_kernel and not self.paged  # decode rows: the C kernel
         kernel_prefill = use_kernel and self.model.kernel_prefill  # and the prefill chunks
         # With the kernel, drafts attend through it as decode rows do, token by token: an
         # SDPA chunk rounds differently (q in fp32), and verification must see the logits
         # plain decoding would.
         num_rows = num_decode + len(drafted) if use_kernel else num_decode
+        # the Triton kernel's per-sequence lists: every token of the step, in this order
+        tables: list[list[int]] = []
+        seq_lens: list[int] = []
         for index, (seq, count) in enumerate(ordered):
             start = len(input_ids)
             done = seq.num_computed_tokens
@@ -120,7 +157,10 @@ class ModelRunner:
                 # logits at the last token and at each draft (speculative decoding)
                 logits_indices.extend(range(start + count - 1 - drafts, start + count))
                 sampling.append(seq)
-            if index >= num_rows and not kernel_prefill:
+            if self.paged:
+                tables.append(table[: -(-(done + count) // size)])
+                seq_lens.append(done + count)
+            elif index >= num_rows and not kernel_prefill:
                 gather_ids = mask = None
                 if done:
                     blocks = -(-(done + count) // size)
@@ -134,7 +174,16 @@ class ModelRunner:
             slot_mapping=torch.tensor(slot_mapping, device=self.device), prefills=prefills
         )
         meta.num_decode = num_decode
-        if kernel_prefill:
+        if self.paged:
+            group = self.config.num_heads // self.config.num_kv_heads
+            meta.paged = build_metadata(
+                tables,
+                seq_lens,
+                counts,
+                tokens_per_tile(group, max(counts)),
+                self.device,
+            )
+        elif kernel_prefill:
             meta.decode_table = self._attention_table(seqs, counts, num_decode)
         elif use_kernel and num_rows:
             meta.decode_table = self._attention_table(

@@ -1,7 +1,9 @@
 """Llama-family decoder over a paged KV cache: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
 All sequences of a step are flattened into one token axis so every matmul sees the
-whole batch. Only attention is per sequence: where the fused bf16 kernel
+whole batch. Only attention is per sequence: on CUDA with Triton, every token of the
+step is a query of one launch of the paged attention kernel (paged_attention.py); where
+the fused bf16 CPU kernel
 (decode_attention.c) is available, every decode row is one of its rows, with its own
 blocks and length, and with bf16 compute so is every token of a prefill chunk (causal by
 their lengths); else single-token rows (decodes) run in groups of similar length against
@@ -32,6 +34,7 @@ from engine.models.layers import (
     cpu_has_amx,
     rotary_tables,
 )
+from engine.models.paged_attention import PagedAttentionMetadata, paged_attention
 
 MADV_HUGEPAGE = 14  # <sys/mman.h>
 
@@ -78,6 +81,8 @@ class DecodeTable:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens] cache slot written by each token
     num_decode: int = 0  # the first num_decode tokens are single-token rows
+    # the Triton kernel's metadata for every token of the step (and nothing else below)
+    paged: PagedAttentionMetadata | None = None
     # with the fused kernel, a DecodeTable of every token (and no decode groups or
     # prefill chunks); else decode groups and prefill chunks for PyTorch ops
     decode_table: DecodeTable | None = None
@@ -221,6 +226,9 @@ class LlamaAttention(nn.Module):
         else:
             q, kv = self._rotate_and_write(qkv, cos, sin, cache, meta.slot_mapping)
 
+        if meta.paged is not None:  # every token in one launch, K/V read from the cache
+            out = paged_attention(q, cache, kv_heads, meta.paged, self.scale)
+            return self.output(out.view(tokens, heads * dim))
         # Attention outputs in token order: decode rows, then prefill chunks.
         table = meta.decode_table
         if table is not None:
@@ -280,16 +288,22 @@ class LlamaAttention(nn.Module):
         sin: torch.Tensor,
         cache: torch.Tensor,
         slots: torch.Tensor,
-        gather_ids: torch.Tensor,
-        bias: torch.Tensor,
+        gather_ids: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        paged: PagedAttentionMetadata | None = None,
     ) -> torch.Tensor:
         """One new token per row, every shape fixed by the rows and the table's width, so
         that a CUDA graph can replay it (engine/cuda_graphs.py): each row attends to all
         of its table's blocks, the keys past its length masked by `bias` [rows, 1, keys].
-        gather_ids: plane * num_blocks + block for every plane, row and table column."""
+        gather_ids: plane * num_blocks + block for every plane, row and table column.
+        With `paged`, the Triton kernel reads each row's keys from the cache instead."""
         rows = hidden.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         q, _ = self._rotate_and_write(self.qkv(hidden), cos, sin, cache, slots)
+        if paged is not None:
+            out = paged_attention(q, cache, kv_heads, paged, self.scale)
+            return self.output(out.view(rows, heads * dim))
+        assert gather_ids is not None and bias is not None
         blocks = gather_blocks(cache, gather_ids, rows, hidden.dtype)  # [planes, rows, keys, dim]
         # the query heads of a KV head as its queries: [kv_heads, rows, group, dim]
         q = q.reshape(rows, kv_heads, -1, dim).transpose(0, 1)
@@ -415,6 +429,8 @@ class LlamaModel(nn.Module):
         self.cos = cos.to(compute_dtype)
         self.signed_sin = signed_sin.to(compute_dtype)
         self.device_type = device.type
+        # decode_padded through the Triton kernel (ModelRunner sets it with the backend)
+        self.paged_attention = False
         self.set_kernels(True)
         # Every matrix but the embedding table has another full copy by now (oneDNN's
         # packed one, or the fp32 one for fp32 compute): its plain copy goes (see Linear).
@@ -577,11 +593,20 @@ class LlamaModel(nn.Module):
         rows, width = inputs.shape[0], inputs.shape[1] - 4
         kv = cache.kv  # [layers, planes, blocks, block_size, dim]
         planes, num_blocks, size = kv.shape[1], kv.shape[2], kv.shape[3]
-        plane_rows = torch.arange(planes, device=inputs.device) * num_blocks
-        gather_ids = (plane_rows[:, None, None] + inputs[None, :, 4:]).reshape(-1)
-        keys = torch.arange(width * size, device=inputs.device)
-        bias = torch.zeros((rows, width * size), dtype=self.compute_dtype, device=inputs.device)
-        bias = bias.masked_fill(keys[None, :] >= inputs[:, 3:4], float("-inf"))[:, None, :]
+        gather_ids = bias = paged = None
+        if self.paged_attention:
+            # each row a sequence of one query token: its table and length, one tile each
+            counts = torch.arange(rows + 1, dtype=torch.int32, device=inputs.device)
+            lengths = inputs[:, 3].to(torch.int32)  # contiguous, as the kernel reads it
+            paged = PagedAttentionMetadata(
+                inputs[:, 4:], lengths, counts, counts[:rows], counts[:rows], block_q=1
+            )
+        else:
+            plane_rows = torch.arange(planes, device=inputs.device) * num_blocks
+            gather_ids = (plane_rows[:, None, None] + inputs[None, :, 4:]).reshape(-1)
+            keys = torch.arange(width * size, device=inputs.device)
+            bias = torch.zeros((rows, width * size), dtype=self.compute_dtype, device=inputs.device)
+            bias = bias.masked_fill(keys[None, :] >= inputs[:, 3:4], float("-inf"))[:, None, :]
         positions = inputs[:, 1]
         cos = self.cos[positions].unsqueeze(1)  # [rows, 1, head_dim]
         sin = self.signed_sin[positions].unsqueeze(1)
@@ -589,7 +614,7 @@ class LlamaModel(nn.Module):
         hidden = self.embed(inputs[:, 0])
         for index, layer in enumerate(self.layer_list):
             update = layer.attention.decode_padded(
-                layer.input_norm(hidden), cos, sin, kv[index], slots, gather_ids, bias
+                layer.input_norm(hidden), cos, sin, kv[index], slots, gather_ids, bias, paged
             )
             hidden = hidden + update
             hidden = hidden + layer.mlp(layer.post_attention_norm(hidden))

@@ -12,7 +12,12 @@ from contracts.commands import parse_load_payload
 from contracts.engines import OPTIONS, engine_flags
 from contracts.streams import ContractError
 from engine.__main__ import build_parser
-from engine.config import MAX_SPECULATIVE_TOKENS, SPECULATIVE_MODES, EngineSecrets
+from engine.config import (
+    ATTENTION_BACKENDS,
+    MAX_SPECULATIVE_TOKENS,
+    SPECULATIVE_MODES,
+    EngineSecrets,
+)
 from tests.contracts.test_engine_secrets_contract import LOAD, SECRET_A, SECRET_B
 
 
@@ -52,9 +57,12 @@ def test_the_builtin_engines_options_are_flags_its_parser_takes(tmp_path: Path) 
         "enforce_eager": True,
         "speculative": "off",
         "num_speculative_tokens": 4,
+        "attention_backend": "torch",
     }
     assert set(arguments) == set(OPTIONS["builtin"])
     assert engine_flags("builtin", arguments) == [
+        "--attention-backend",
+        "torch",
         "--enforce-eager",
         "--kv-cache-memory-mb",
         "256",
@@ -83,7 +91,9 @@ def test_the_builtin_engines_options_are_flags_its_parser_takes(tmp_path: Path) 
     assert (parsed.model, parsed.num_blocks, parsed.kv_cache_memory_mb) == (str(tmp_path), 128, 256)
     assert (parsed.max_queue, parsed.no_prefix_caching, parsed.enforce_eager) == (64, True, True)
     assert (parsed.speculative, parsed.num_speculative_tokens) == ("off", 4)
+    assert parsed.attention_backend == "torch"
     assert OPTIONS["builtin"]["speculative"].choices == SPECULATIVE_MODES
+    assert OPTIONS["builtin"]["attention_backend"].choices == ATTENTION_BACKENDS
     assert OPTIONS["builtin"]["num_speculative_tokens"].high == MAX_SPECULATIVE_TOKENS
     defaults = build_parser().parse_args(["serve", *BuiltinAdapter().arguments(EngineSpec(
         model_path=tmp_path, serving_config={}, served_model_name="m", host="h", port=1,

@@ -8,8 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine import model_runner
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.llm_engine import LLMEngine
+from engine.model_runner import attention_backend_for
+from engine.models.paged_attention import triton_available
 from engine.scheduler import ScheduledBatch
 from engine.sequence import SamplingParams, Sequence
 from tests.engine.test_attention import compare_steps
@@ -126,3 +130,103 @@ def test_a_one_token_chunk_of_a_prompt_attends_to_its_prefix_alone(tiny_llama: P
     chunked = last_logits([[(0, 20)], [(0, 1), (1, 10)], [(0, 1)], [(0, 18)]])
     scale = whole.abs().max().item()
     assert (chunked - whole).abs().max().item() <= (0.05 if kernels else 1e-4) * scale
+
+
+@pytest.mark.skipif(triton_available() is not None, reason=f"{triton_available()}")
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ),
+    ],
+)
+def test_triton_kernel_matches_the_torch_path(tiny_llama: Path, device: str):
+    """Every token of a step in the Triton paged attention kernel (on CPU through Triton's
+    interpreter) against PyTorch ops, both fp32: the same logits at every step of prompts,
+    a chunk after cached context, a prompt whose first block is a prefix-cache hit, decode
+    rows, drafts as chunks, then a decode step with drafts in decode_padded's fixed shapes
+    (each row a sequence of its own, as the CUDA graphs replay it)."""
+    engines = []
+    for backend in ("triton", "torch"):
+        config = EngineConfig(
+            model=str(tiny_llama), device=device, num_blocks=64, block_size=16, max_model_len=128
+        )
+        engine = LLMEngine(config)
+        engine.load()
+        engine.runner.model.set_kernels(False)
+        engine.runner.set_attention_backend(backend)
+        engines.append(engine)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in (5, 16, 40)]
+    prompts.append(prompts[1] + [rng.randrange(3, 400) for _ in range(9)])  # shares a block
+    # per step: (prompt index, new tokens, drafts after them)
+    plan: list[list[tuple[int, int, list[int]]]] = [
+        [(0, 5, []), (1, 16, []), (2, 21, [])],
+        [(0, 1, []), (1, 1, []), (2, 19, []), (3, 9, [])],  # 3: 16 tokens cached
+        [(0, 1, [7, 8, 9]), (1, 1, []), (2, 1, [11, 12]), (3, 1, [])],
+        [(0, 1, []), (1, 1, [5]), (2, 1, []), (3, 1, [])],
+    ]
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    seqs = [[Sequence(token_ids=list(p), params=params) for p in prompts] for _ in engines]
+    for step in plan:
+        outputs = []
+        for engine, engine_seqs in zip(engines, seqs, strict=True):
+            batch = ScheduledBatch()
+            for index, count, drafts in step:
+                seq = engine_seqs[index]
+                if not seq.block_table:
+                    assert engine.block_manager.allocate(seq)
+                seq.draft_token_ids = list(drafts)
+                end = seq.num_computed_tokens + count + len(drafts)
+                assert engine.block_manager.ensure_capacity(seq, end)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(count + len(drafts))
+            output, sampling = engine.runner.run(batch)
+            assert engine.runner.last_path in ("decode", "mixed")
+            outputs.append((output.logits, [engine_seqs.index(seq) for seq in sampling]))
+            for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
+                # drafts rejected: the next step writes over their K/V
+                seq.num_computed_tokens += count - len(seq.draft_token_ids)
+                seq.draft_token_ids = []
+                engine.block_manager.register_computed(seq)
+        (logits, order), (expected, expected_order) = outputs
+        assert order == expected_order
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+        # the first row of each sampled sequence is its next token
+        rows = 0
+        for index in order:
+            token = int(expected[rows].argmax())
+            rows += 1 + len(next(d for i, _, d in step if i == index))
+            for engine_seqs in seqs:
+                engine_seqs[index].token_ids.append(token)
+    assert [engine_seqs[3].num_cached_tokens for engine_seqs in seqs] == [16, 16]
+
+    padded = []
+    for engine, engine_seqs in zip(engines, seqs, strict=True):
+        graphs = DecodeGraphs(engine.runner.model, engine.runner.cache, 16, max_blocks=8)
+        engine_seqs[2].draft_token_ids = [4, 6]
+        padded.append(graphs.run(engine_seqs))
+    assert padded[0].shape == (6, engines[0].model_config.vocab_size)
+    torch.testing.assert_close(padded[0], padded[1], atol=1e-4, rtol=1e-4)
+
+
+def test_attention_backend_setting(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch):
+    """auto is PyTorch ops on CPU, and on CUDA without Triton; triton where it cannot run
+    is refused at load with the reason; an unknown name at construction."""
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, triton, torch"):
+        EngineConfig(model=str(tiny_llama), attention_backend="flash")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert attention_backend_for("auto", cpu) == "torch"
+    assert attention_backend_for("torch", cuda) == "torch"
+    config = EngineConfig(model=str(tiny_llama), num_blocks=64, attention_backend="triton")
+    with pytest.raises(ValueError, match="attention_backend triton: needs CUDA"):
+        LLMEngine(config).load()
+    monkeypatch.setattr(model_runner, "triton_available", lambda: "triton not importable: x")
+    assert attention_backend_for("auto", cuda) == "torch"
+    with pytest.raises(ValueError, match="attention_backend triton: triton not importable"):
+        attention_backend_for("triton", cuda)
+    monkeypatch.setattr(model_runner, "triton_available", lambda: None)
+    assert attention_backend_for("auto", cuda) == "triton"

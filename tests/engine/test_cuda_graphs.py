@@ -80,6 +80,7 @@ def test_padded_decode_gives_the_logits_of_the_step_it_stands_for(
     step_seconds = stats["step_seconds"]
     assert isinstance(step_seconds, dict)
     assert step_seconds["decode"] > 0 and stats["decode_graphs"] == 0
+    assert stats["attention_backend"] == "torch"  # auto: PyTorch ops and C kernels on CPU
     assert {rows for rows, _ in buckets} == {8, 4, 2, 1}  # five rows padded to eight, ...
     assert {width for _, width in buckets} == {4, 8}  # three blocks padded to four, ...
     assert all(rows in GRAPH_ROWS for rows, _ in buckets)
