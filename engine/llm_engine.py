@@ -31,6 +31,7 @@ from engine.metrics import EngineMetrics
 from engine.model_runner import ModelRunner, attention_backend_for
 from engine.models.layers import Linear, cpu_has_native_bf16
 from engine.models.llama import KVCache, LlamaModel, StepLogits
+from engine.models.paged_attention import self_check
 from engine.sampler import greedy_tokens, sample
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceStatus, TokenLogprob
@@ -145,11 +146,23 @@ class LLMEngine:
             )
         self.metrics.set_max_model_len(config.max_model_len)
         self.compute_dtype = compute_dtype_for(config.dtype, self.device)
-        # before the model is built: an explicit triton that cannot run fails at once
-        self.attention_backend = attention_backend_for(config.attention_backend, self.device)
         cache_dtype = torch.float32 if config.dtype == "float32" else torch.bfloat16
         if self.device.type == "cuda":
             cache_dtype = self.compute_dtype
+        shape = self.model_config
+        # before the model is built: an explicit triton that cannot run fails at once
+        self.attention_backend = attention_backend_for(
+            config.attention_backend,
+            self.device,
+            lambda: self_check(
+                self.device,
+                cache_dtype,
+                shape.num_kv_heads,
+                shape.num_heads // shape.num_kv_heads,
+                shape.head_dim,
+                config.block_size,
+            ),
+        )
         if not config.num_blocks:
             per_block = KVCache.bytes_per_token(self.model_config, cache_dtype) * config.block_size
             config.num_blocks = max(1, config.kv_cache_memory_mb * 2**20 // per_block)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -35,20 +36,27 @@ CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 logger = logging.getLogger(__name__)
 
 
-def attention_backend_for(setting: str, device: torch.device) -> str:
+def attention_backend_for(
+    setting: str,
+    device: torch.device,
+    check: Callable[[], str | None] | None = None,
+) -> str:
     """ "triton" or "torch" for the engine setting attention_backend (engine.config) on
-    `device`: auto takes the Triton kernel on CUDA where Triton imports; an explicit
+    `device`: auto takes the Triton kernel on CUDA where Triton imports and `check` (the
+    kernel run on the model's shape, paged_attention.self_check) passes; an explicit
     "triton" where it cannot run is an error (tests force it on CPU through
     ModelRunner.set_attention_backend, in Triton's interpreter)."""
     if setting == "torch":
         return "torch"
     reason = "needs CUDA" if device.type != "cuda" else triton_available()
+    if reason is None and check is not None:
+        reason = check()
     if reason is None:
         return "triton"
     if setting == "triton":
         raise ValueError(f"attention_backend triton: {reason}")
     if device.type == "cuda":
-        logger.info("attention in PyTorch ops: %s", reason)
+        logger.warning("attention in PyTorch ops: %s", reason)
     return "torch"
 
 

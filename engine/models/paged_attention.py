@@ -352,3 +352,49 @@ def paged_attention(
         num_warps=4,
     )
     return out
+
+
+def self_check(
+    device: torch.device, dtype: torch.dtype, kv_heads: int, group: int, dim: int, block_size: int
+) -> str | None:
+    """None where the kernel runs on `device` for this shape and agrees with SDPA over
+    gathered keys on a small batch (a decode row, a chunk after cached keys, a prompt);
+    else why not. The engine's `auto` backend checks before it takes the kernel, so a
+    Triton or driver that cannot build it leaves PyTorch ops instead of a failed engine."""
+    generator = torch.Generator().manual_seed(0)
+    context_and_queries = [(37, 1), (21, 19), (0, 9)]
+    seq_lens = [context + count for context, count in context_and_queries]
+    query_lens = [count for _, count in context_and_queries]
+    needed = [-(-length // block_size) for length in seq_lens]
+    order = torch.randperm(sum(needed), generator=generator).tolist()
+    tables = [order[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(needed))]
+    heads = kv_heads * group
+    cache = torch.randn(2 * kv_heads, sum(needed), block_size, dim, generator=generator)
+    q = torch.randn(sum(query_lens), heads, dim, generator=generator)
+    scale = dim**-0.5
+    try:
+        meta = build_metadata(
+            tables, seq_lens, query_lens, tokens_per_tile(group, max(query_lens)), device
+        )
+        out = paged_attention(q.to(device, dtype), cache.to(device, dtype), kv_heads, meta, scale)
+        got = out.float().cpu()
+    except Exception as error:  # a compiler or driver error: the reason is what matters
+        return f"the Triton kernel failed to run: {error}"
+    cache = cache.to(dtype).float()  # the values the kernel read
+    q = q.to(dtype).float()
+    worst = 0.0
+    start = 0
+    for table, length, count in zip(tables, seq_lens, query_lens, strict=True):
+        keys = cache[:, table].flatten(1, 2)[:, :length]  # [planes, keys, dim]
+        k = keys[:kv_heads].repeat_interleave(group, 0)
+        v = keys[kv_heads:].repeat_interleave(group, 0)
+        scores = q[start : start + count].transpose(0, 1) @ k.transpose(1, 2) * scale
+        positions = torch.arange(length - count, length)[:, None]
+        scores = scores.masked_fill(torch.arange(length)[None, :] > positions, float("-inf"))
+        expected = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1)
+        worst = max(worst, (got[start : start + count] - expected).abs().max().item())
+        start += count
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    if not worst <= tolerance:
+        return f"the Triton kernel's output differs from PyTorch's by {worst:.3g}"
+    return None

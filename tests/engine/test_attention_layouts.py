@@ -230,3 +230,8 @@ def test_attention_backend_setting(tiny_llama: Path, monkeypatch: pytest.MonkeyP
         attention_backend_for("triton", cuda)
     monkeypatch.setattr(model_runner, "triton_available", lambda: None)
     assert attention_backend_for("auto", cuda) == "triton"
+    # a kernel that fails its check on the model's shape: auto keeps PyTorch ops
+    assert attention_backend_for("auto", cuda, lambda: "differs by 0") == "torch"
+    with pytest.raises(ValueError, match="attention_backend triton: differs by 0"):
+        attention_backend_for("triton", cuda, lambda: "differs by 0")
+    assert attention_backend_for("auto", cuda, lambda: None) == "triton"

@@ -210,3 +210,28 @@ def test_compiles_for_cuda_without_a_gpu():
     except RuntimeError as error:  # no ptxas for this platform
         pytest.skip(f"no CUDA toolchain: {error}")
     assert compiled.asm["cubin"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_self_check_passes_a_working_kernel_and_names_a_broken_one(
+    device: str, monkeypatch: pytest.MonkeyPatch
+):
+    """The check `auto` runs before taking the kernel: None for the kernel as it is; the
+    reason where its output is wrong or it raises."""
+    for dtype in (torch.float32, torch.bfloat16):
+        assert pa.self_check(torch.device(device), dtype, 2, 3, 64, BLOCK_SIZE) is None
+    real = pa.paged_attention
+
+    def shifted(*args, **kwargs):
+        return real(*args, **kwargs) + 0.5
+
+    monkeypatch.setattr(pa, "paged_attention", shifted)
+    reason = pa.self_check(torch.device(device), torch.float32, 2, 3, 64, BLOCK_SIZE)
+    assert reason is not None and "differs from PyTorch's by 0.5" in reason
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX assembly failed")
+
+    monkeypatch.setattr(pa, "paged_attention", broken)
+    reason = pa.self_check(torch.device(device), torch.float32, 2, 3, 64, BLOCK_SIZE)
+    assert reason == "the Triton kernel failed to run: PTX assembly failed"
