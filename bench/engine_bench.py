@@ -81,6 +81,7 @@ def start_engine(options: Options) -> tuple[subprocess.Popen[bytes], str]:
         "--max-num-batched-tokens", str(options.max_num_batched_tokens),
         "--kv-cache-memory-mb", str(options.kv_cache_mb), "--max-model-len", "1024",
         "--max-queue", "1024", "--log-level", "warning",
+        "--attention-backend", options.attention_backend,
     ]  # fmt: skip
     process = subprocess.Popen(
         command,

@@ -44,6 +44,7 @@ class Options:
     reference_dtype: str | None = None  # None: the engine's dtype where it runs natively
     # Why vLLM's CPU build is left out as a reference; None: measured where it is built
     no_vllm: str | None = None
+    attention_backend: str = "auto"  # the engine's --attention-backend
 
 
 QUICK = Options(

@@ -14,7 +14,9 @@ For each shape, random weights in a cached HF folder (bench/gpu_models.py), all 
    weights over the device's read bandwidth, measured in the same run;
 3. TTFT p50 of 64 simultaneous 128-token prompts over HTTP;
 4. a profile of the serving workload in-process (bench/gpu_profile.py): step phases and
-   the profiler's self time by group, with a chrome trace.
+   the profiler's self time by group, with a chrome trace;
+5. the attention backends side by side (bench/gpu_attention.py): decode steps of 128 and
+   256 rows, more than the decode graphs take, with the Triton kernel and PyTorch ops.
 
 Writes DIR/figures.json, DIR/summary.txt (the lines printed), DIR/profile.json,
 DIR/profile.txt and DIR/profile_trace_<shape>.json.gz. Targets are printed, never asserted.
@@ -53,6 +55,7 @@ from bench.engine_client import run_serving, run_ttft
 from bench.engine_inprocess import read_bandwidth_gbs
 from bench.engine_reference import best_reference, reference_dtype
 from bench.engine_workload import DEVICE, REPO_ROOT, Options, Workload
+from bench.gpu_attention import compare_backends
 from bench.gpu_models import (
     LLAMA_1B,
     MODELS_DIR,
@@ -66,6 +69,7 @@ from bench.gpu_models import (
 )
 from bench.gpu_profile import ProfilePlan, profile_serving, render_profile
 from bench.report import normalize_figure
+from engine.config import ATTENTION_BACKENDS
 
 
 @dataclass(slots=True)
@@ -88,6 +92,12 @@ class Plan:
     decode_rounds: int = 3
     ttft_prompts: int = 64
     ttft_tokens: int = 128
+    # attention backends side by side (bench/gpu_attention.py): decode steps of these many
+    # rows after prompts of attention_prompt tokens, attention_steps with each backend
+    attention_rows: tuple[int, ...] = (128, 256)
+    attention_prompt: int = 384
+    attention_steps: int = 8
+    attention_backend: str = "auto"  # the engine's --attention-backend
     profile: ProfilePlan = field(
         default_factory=lambda: ProfilePlan(skip_steps=30, active_steps=30)
     )
@@ -112,6 +122,9 @@ SMOKE = Plan(
     decode_rounds=2,
     ttft_prompts=4,
     ttft_tokens=16,
+    attention_rows=(6,),  # no step kernel takes head_dim 16: these steps run attention ops
+    attention_prompt=20,
+    attention_steps=1,
     profile=ProfilePlan(skip_steps=1, active_steps=3, warmup_steps=1),
 )
 # The issue's targets; a shape without an entry has its figures reported, not judged.
@@ -202,6 +215,7 @@ def in_process_engine(folder: Path, shape: Shape, plan: Plan) -> Any:
             # one token per step: the roofline compares a step's reads with one token
             # (bench/spec_bench.py measures drafts)
             speculative="off",
+            attention_backend=plan.attention_backend,
         )
     )
     torch.set_grad_enabled(False)  # as the engine's step loop runs
@@ -366,6 +380,20 @@ def measure_shape(
         f"RATIO {decode / roofline:.2f} (target {target(shape, 'decode')})"
     )
     profile = profile_serving(engine, workload, plan.profile, out_dir, shape.name)
+    result["attention"] = []
+    for rows in plan.attention_rows:
+        prompts = token_prompts(folder, rows, plan.attention_prompt, seed=rows)
+        compared = compare_backends(engine, prompts, plan.attention_steps)
+        result["attention"].append(compared)
+        if "skipped" in compared:
+            result["skipped"].append(f"attention backends side by side: {compared['skipped']}")
+            break
+        log(
+            f"[{shape.name}] attention, decode steps of {rows} rows (context "
+            f"{compared['context']:.0f}, {compared['paths']}): Triton kernel "
+            f"{compared['triton_ms']:.2f} ms/step, PyTorch ops {compared['torch_ms']:.2f}; "
+            f"RATIO torch/triton {compared['torch_over_triton']:.2f}x"
+        )
     del engine
     free_device_memory()
     for line in render_profile(shape.name, profile):
@@ -380,6 +408,7 @@ def measure_shape(
         in_flight=plan.max_num_seqs,
         max_num_batched_tokens=plan.max_num_batched_tokens,
         kv_cache_mb=plan.kv_cache_mb,
+        attention_backend=plan.attention_backend,
     )
     process, base = start_engine(options)
     try:
@@ -573,8 +602,14 @@ def main(argv: list[str] | None = None) -> int:
         help="skip the speculative decoding figures (bench/spec_bench.py on SmolLM2; "
         "never run with --smoke)",
     )
+    parser.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="the engines' --attention-backend (the side-by-side steps time both)",
+    )
     args = parser.parse_args(argv)
-    plan = SMOKE if args.smoke else FULL
+    plan = replace(SMOKE if args.smoke else FULL, attention_backend=args.attention_backend)
     if args.shapes:
         plan = replace(plan, shapes=tuple(SHAPES[name] for name in args.shapes))
     out_dir: Path = args.out

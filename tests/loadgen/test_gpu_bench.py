@@ -43,6 +43,10 @@ def test_smoke_run_writes_figures_summary_and_profile(tmp_path):
     assert tiny["profile"]["useful_tokens"] == useful
     assert tiny["ttft"]["prompts"] == 4
     assert tiny["decode"]["ratio"] > 0
+    # both attention backends on the same engine's steps (Triton through its interpreter)
+    (attention,) = tiny["attention"]
+    assert attention["rows"] == 6 and attention["paths"] == ["decode"]
+    assert attention["triton_ms"] > 0 and attention["torch_ms"] > 0
     # every CUDA-only piece says why it did not run
     assert any(s.startswith("device bandwidth skipped: no CUDA device") for s in figures["skipped"])
     assert any("profiler CUDA activity skipped" in s for s in figures["skipped"])
@@ -61,5 +65,6 @@ def test_smoke_run_writes_figures_summary_and_profile(tmp_path):
 
     summary = (out / "summary.txt").read_text()
     assert "RATIO serving engine/best HF" in summary
+    assert "attention, decode steps of 6 rows" in summary
     assert "== figures (targets are printed, never asserted)" in summary
     assert "step phases over" in (out / "profile.txt").read_text()
