@@ -29,6 +29,26 @@ def moved(before: dict, after: dict, name: str, **labels: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
+def scrape_once_counted(url: str, before: dict, requests: int) -> dict:
+    """The metrics once `requests` more requests are counted: the gateway counts one after
+    its last byte is sent (and its admission is back), so a client that has read the end
+    of its response can scrape before the count."""
+    after: dict = {}
+
+    def counted() -> bool:
+        nonlocal after
+        after = scrape(url)
+        total = sum(
+            value - before.get(key, 0.0)
+            for key, value in after.items()
+            if key[0] == "gateway_requests_total"
+        )
+        return total >= requests
+
+    wait_until(counted, timeout=15, interval=0.1, message=lambda: "the requests were not counted")
+    return after
+
+
 def test_the_standalone_gateway_counts_refusals_latencies_and_upstream_errors(
     stores, engines, tmp_path
 ) -> None:
@@ -72,7 +92,7 @@ def test_the_standalone_gateway_counts_refusals_latencies_and_upstream_errors(
             client_for(gateway, small.raw_key).chat.completions.create(
                 model="smollm2", messages=MESSAGES, max_tokens=500
             )
-        after = scrape(gateway.url)
+        after = scrape_once_counted(gateway.url, before, 4)
 
         assert moved(before, after, "gateway_requests_total", status="401") == 1
         assert moved(before, after, "gateway_requests_total", status="200") == 2
@@ -103,7 +123,7 @@ def test_the_standalone_gateway_counts_refusals_latencies_and_upstream_errors(
             return statuses[-1] == 503
 
         wait_until(unanswered, timeout=15, interval=0.1, message=lambda: f"{statuses}")
-        final = scrape(gateway.url)
+        final = scrape_once_counted(gateway.url, after, len(statuses))
         errors = "gateway_upstream_errors_total"
         assert moved(after, final, errors, **routed, reason="no_ready_agent") == 1
         assert moved(after, final, duration, **routed, outcome="upstream_error") == 1
@@ -129,7 +149,7 @@ def test_the_gateway_inside_web_shares_webs_metrics(stores, engines, gateways) -
             extra_body={"ignore_eos": True},
         )
     )
-    after = scrape(web.url)
+    after = scrape_once_counted(web.url, before, 1)
     assert moved(before, after, "gateway_time_to_first_token_seconds_count", **routed) == 1
     # web's own decisions, from the database, on the same page
     assert ("rollouts_reconcile_lag_seconds", frozenset()) in after
