@@ -18,17 +18,15 @@ from engine.scheduler import ScheduledBatch
 from engine.sequence import SamplingParams, Sequence
 from tests.engine.test_attention import compare_steps
 
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    ),
+]
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ),
-    ],
-)
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_gpu_layout_matches_the_cpu_layout(tiny_llama: Path, device: str):
     """The attention layout CUDA takes (prefill chunks after cached context cut at their
     end under a lower-right causal bias, V gathered as K for decode groups) against the
@@ -133,16 +131,7 @@ def test_a_one_token_chunk_of_a_prompt_attends_to_its_prefix_alone(tiny_llama: P
 
 
 @pytest.mark.skipif(triton_available() is not None, reason=f"{triton_available()}")
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", DEVICES)
 def test_triton_kernel_matches_the_torch_path(tiny_llama: Path, device: str):
     """Every token of a step in the Triton paged attention kernel (on CPU through Triton's
     interpreter) against PyTorch ops, both fp32: the same logits at every step of prompts,
