@@ -69,9 +69,12 @@ def test_a_transition_is_delivered_signed_and_only_once(
 
 
 def test_a_server_error_is_transient_and_a_client_error_is_final(
-    deployment, versions, receiver
+    deployment, versions, receiver, monkeypatch
 ) -> None:
     url, received, answers = receiver
+    # the first backoff is 1 to 2 s, due up to 1 s early: a slow machine could reach it
+    # before the early call below; a long one keeps that call early
+    monkeypatch.setattr(webhooks, "backoff_s", lambda attempt: 60.0)
     webhooks.webhook_endpoint_create(actor=None, name="ops", url=url, secret=SECRET, events=["*"])
     running_rollout(deployment, versions[1])
     first, *_ = WebhookDelivery.objects.order_by("id")
