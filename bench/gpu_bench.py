@@ -15,8 +15,9 @@ For each shape, random weights in a cached HF folder (bench/gpu_models.py), all 
 3. TTFT p50 of 64 simultaneous 128-token prompts over HTTP;
 4. a profile of the serving workload in-process (bench/gpu_profile.py): step phases and
    the profiler's self time by group, with a chrome trace;
-5. the attention backends side by side (bench/gpu_attention.py): decode steps of 128 and
-   256 rows, more than the decode graphs take, with the Triton kernel and PyTorch ops.
+5. the ways attention runs side by side (bench/gpu_attention.py): steps of 128 and 256
+   decode rows, more than the decode graphs take, alone and beside a 256-token prompt,
+   with PyTorch ops, the Triton kernel op by op and the Triton kernel in step graphs.
 
 Writes DIR/figures.json, DIR/summary.txt (the lines printed), DIR/profile.json,
 DIR/profile.txt and DIR/profile_trace_<shape>.json.gz. Targets are printed, never asserted.
@@ -55,7 +56,7 @@ from bench.engine_client import run_serving, run_ttft
 from bench.engine_inprocess import read_bandwidth_gbs
 from bench.engine_reference import best_reference, reference_dtype
 from bench.engine_workload import DEVICE, REPO_ROOT, Options, Workload
-from bench.gpu_attention import compare_backends
+from bench.gpu_attention import compare_backends, describe
 from bench.gpu_models import (
     LLAMA_1B,
     MODELS_DIR,
@@ -93,9 +94,11 @@ class Plan:
     ttft_prompts: int = 64
     ttft_tokens: int = 128
     # attention backends side by side (bench/gpu_attention.py): decode steps of these many
-    # rows after prompts of attention_prompt tokens, attention_steps with each backend
+    # rows after prompts of attention_prompt tokens, alone and beside a new prompt of
+    # attention_chunk tokens, attention_steps with each backend
     attention_rows: tuple[int, ...] = (128, 256)
     attention_prompt: int = 384
+    attention_chunk: int = 256
     attention_steps: int = 8
     attention_backend: str = "auto"  # the engine's --attention-backend
     profile: ProfilePlan = field(
@@ -124,6 +127,7 @@ SMOKE = Plan(
     ttft_tokens=16,
     attention_rows=(6,),  # no step kernel takes head_dim 16: these steps run attention ops
     attention_prompt=20,
+    attention_chunk=12,
     attention_steps=1,
     profile=ProfilePlan(skip_steps=1, active_steps=3, warmup_steps=1),
 )
@@ -381,19 +385,18 @@ def measure_shape(
     )
     profile = profile_serving(engine, workload, plan.profile, out_dir, shape.name)
     result["attention"] = []
+    (chunk,) = token_prompts(folder, 1, plan.attention_chunk, seed=0)
     for rows in plan.attention_rows:
         prompts = token_prompts(folder, rows, plan.attention_prompt, seed=rows)
-        compared = compare_backends(engine, prompts, plan.attention_steps)
-        result["attention"].append(compared)
+        for beside in (None, chunk):
+            compared = compare_backends(engine, prompts, plan.attention_steps, beside)
+            result["attention"].append(compared)
+            if "skipped" in compared:
+                break
+            log(describe(shape.name, compared))
         if "skipped" in compared:
             result["skipped"].append(f"attention backends side by side: {compared['skipped']}")
             break
-        log(
-            f"[{shape.name}] attention, decode steps of {rows} rows (context "
-            f"{compared['context']:.0f}, {compared['paths']}): Triton kernel "
-            f"{compared['triton_ms']:.2f} ms/step, PyTorch ops {compared['torch_ms']:.2f}; "
-            f"RATIO torch/triton {compared['torch_over_triton']:.2f}x"
-        )
     del engine
     free_device_memory()
     for line in render_profile(shape.name, profile):

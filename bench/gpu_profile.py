@@ -30,7 +30,7 @@ from bench.engine_workload import DEVICE, Workload, synchronize
 PHASES = ("schedule", "prepare", "forward_launch", "forward_wait", "sample", "append")
 PHASE_TITLES = {
     "schedule": "scheduling (Scheduler.schedule)",
-    "prepare": "input preparation (ModelRunner.prepare, graph inputs)",
+    "prepare": "input preparation (ModelRunner.prepare, decode and step graph inputs)",
     "forward_launch": "forward pass, host side until run returns",
     "forward_wait": "forward pass, waiting for the device after launch",
     "sample": "sampling (sample)",
@@ -84,9 +84,9 @@ class PhaseTimers:
 
         engine.scheduler.schedule = scheduled
         runner.prepare = self.timed("prepare", runner.prepare)
-        graphs = getattr(runner, "graphs", None)
-        if graphs is not None:
-            graphs.inputs.build = self.timed("prepare", graphs.inputs.build)
+        for graphs in (getattr(runner, "graphs", None), getattr(runner, "step_graphs", None)):
+            if graphs is not None:
+                graphs.inputs.build = self.timed("prepare", graphs.inputs.build)
         run = runner.run
 
         def run_and_wait(batch: Any) -> Any:
@@ -117,9 +117,9 @@ class PhaseTimers:
             (runner, "run"),
         ):
             owner.__dict__.pop(name, None)
-        graphs = getattr(runner, "graphs", None)
-        if graphs is not None:
-            graphs.inputs.__dict__.pop("build", None)
+        for graphs in (getattr(runner, "graphs", None), getattr(runner, "step_graphs", None)):
+            if graphs is not None:
+                graphs.inputs.__dict__.pop("build", None)
         self.module.sample = self.original_sample
 
     def step(self, profiled: bool) -> StepRecord:

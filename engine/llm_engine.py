@@ -34,7 +34,7 @@ from engine.models.llama import KVCache, LlamaModel, StepLogits
 from engine.models.paged_attention import self_check
 from engine.sampler import greedy_tokens, sample
 from engine.scheduler import Scheduler
-from engine.sequence import SamplingParams, Sequence, SequenceStatus, TokenLogprob
+from engine.sequence import SamplingParams, Sequence, TokenLogprob
 from engine.speculative import StepCosts, accepted_tokens, choose_drafts
 from engine.tokenizer import TextTokenizer
 
@@ -189,6 +189,8 @@ class LLMEngine:
             self.device,
             graph_blocks,
             self.attention_backend,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
@@ -547,7 +549,6 @@ class LLMEngine:
         seq.sink(out)
 
     def _finish(self, seq: Sequence, reason: str, message: str | None = None) -> None:
-        was_running = seq.status is SequenceStatus.RUNNING
         self.scheduler.finish(seq, reason)
         with self._condition:
             self._requests.pop(seq.request_id, None)
@@ -569,7 +570,6 @@ class LLMEngine:
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=seq.num_output_tokens,
         )
-        del was_running
         self._deliver(seq, error=message)
 
     # ---- introspection -------------------------------------------------------------
@@ -614,5 +614,9 @@ class LLMEngine:
             # CUDA graphs that replay decode steps (0: every step runs op by op)
             "decode_graphs": len(self.runner.graphs.graphs)
             if self.state != "loading" and self.runner.graphs_ready and self.runner.graphs
+            else 0,
+            # CUDA graphs of whole steps by token count, prefill included (0: none)
+            "step_graphs": len(self.runner.step_graphs.graphs)
+            if self.state != "loading" and self.runner.step_graphs_ready and self.runner.step_graphs
             else 0,
         }

@@ -24,6 +24,7 @@ from engine.models.llama import (
 from engine.models.paged_attention import build_metadata, tokens_per_tile, triton_available
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from engine.step_graphs import StepGraphs
 
 MAX_DECODE_GROUPS = 4
 MAX_DRAFT_ROWS = GRAPH_ROWS[-1]  # the largest decode graph's rows
@@ -71,10 +72,15 @@ class ModelRunner:
         device: torch.device,
         graph_blocks: int = 0,
         attention_backend: str = "torch",
+        max_step_tokens: int = 0,
+        max_step_seqs: int = 0,
     ):
         """graph_blocks: on CUDA, replay decode-only steps from CUDA graphs for block tables
         of up to this many blocks (engine/cuda_graphs.py; 0: every step runs eagerly).
-        attention_backend: "triton" (engine/models/paged_attention.py) or "torch"."""
+        attention_backend: "triton" (engine/models/paged_attention.py) or "torch".
+        max_step_tokens, max_step_seqs: the scheduler's bounds of a step; with graphs and
+        the Triton attention, every other step replays a step graph of its token count
+        (engine/step_graphs.py)."""
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -85,8 +91,16 @@ class ModelRunner:
         graphs = graph_blocks > 0 and device.type == "cuda"
         self.graphs = DecodeGraphs(model, self.cache, block_size, graph_blocks) if graphs else None
         self.graphs_ready = False  # set once capture_graphs succeeded
-        # the way the last step ran: "step_kernel", "graph", "decode" (decode-only, op by
-        # op) or "mixed" (with prefill tokens); the engine times each way (stats)
+        step_graphs = graphs and attention_backend == "triton" and max_step_tokens > 0
+        self.step_graphs = (
+            StepGraphs(model, self.cache, block_size, graph_blocks, max_step_tokens, max_step_seqs)
+            if step_graphs
+            else None
+        )
+        self.step_graphs_ready = False
+        # the way the last step ran: "step_kernel", "graph", "step_graph", "decode"
+        # (decode-only, op by op) or "mixed" (with prefill tokens); the engine times each
+        # way (stats)
         self.last_path = ""
         self.last_decode_only = False  # whether the last step was decode-only (drafts aside)
         # plane * blocks: the first row of each K/V head plane in the flat cache view
@@ -300,9 +314,16 @@ class ModelRunner:
         try:
             self.graphs.capture()
         except (RuntimeError, torch.cuda.OutOfMemoryError) as error:
-            self.graphs = None
+            self.graphs = self.step_graphs = None
             return f"decode graphs not captured, every step runs eagerly: {error}"
         self.graphs_ready = True
+        if self.step_graphs is not None:
+            try:
+                self.step_graphs.capture(self.graphs.pool)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as error:
+                self.step_graphs = None
+                return f"step graphs not captured, steps with prefill run eagerly: {error}"
+            self.step_graphs_ready = True
         return None
 
     @staticmethod
@@ -382,6 +403,11 @@ class ModelRunner:
             self.last_path = "graph"  # drafts as rows of their own, as in the step kernel
             seqs = list(batch.seqs)
             return StepLogits(graphs.run(seqs), None), seqs
+        steps = self.step_graphs if self.step_graphs_ready and self.paged else None
+        if steps is not None and steps.takes(batch.seqs, batch.num_new_tokens):
+            self.last_path = "step_graph"
+            logits, sampling = steps.run(batch.seqs, batch.num_new_tokens)
+            return StepLogits(logits, None), sampling
         # elsewhere drafts run as a chunk after their sequence's context
         drafted = batch.num_tokens > len(batch.seqs)
         self.last_path = "decode" if decode_only and not drafted else "mixed"

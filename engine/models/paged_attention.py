@@ -66,6 +66,8 @@ class PagedAttentionMetadata:
     tile_seqs: torch.Tensor  # [tiles]: the tile's sequence, -1 for padding tiles
     tile_starts: torch.Tensor  # [tiles]: the tile's first row of q
     block_q: int  # query tokens per tile
+    # rows of q in no tile (a step padded to a bucket, engine/step_graphs.py): zero output
+    padded: bool = False
 
     def __post_init__(self) -> None:
         vectors = (self.seq_lens, self.query_starts, self.tile_seqs, self.tile_starts)
@@ -312,7 +314,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [tokens, heads, dim], any strides (a slice of a fused qkv output); cache_layer:
     [2 * kv_heads, blocks, block_size, dim], K planes then V planes, dim contiguous.
-    -> out [tokens, heads, dim] in q's dtype (rows of no tile are left as they were)."""
+    -> out [tokens, heads, dim] in q's dtype (rows of no tile: left as they
+    were in a given `out`, zero in a new one where meta.padded)."""
     tokens, heads, dim = q.shape
     planes, _, block_size, cache_dim = cache_layer.shape
     if planes != 2 * num_kv_heads or cache_dim != dim or heads % num_kv_heads:
@@ -324,7 +327,8 @@ def paged_attention(
         raise ValueError("the cache's head dimension must be contiguous")
     group = heads // num_kv_heads
     if out is None:
-        out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
+        allocate = torch.zeros if meta.padded else torch.empty
+        out = allocate((tokens, heads, dim), dtype=q.dtype, device=q.device)
     elif out.stride(2) != 1:
         raise ValueError("out's head dimension must be contiguous")
     grid = (meta.tile_seqs.shape[0], num_kv_heads)

@@ -44,9 +44,12 @@ def test_smoke_run_writes_figures_summary_and_profile(tmp_path):
     assert tiny["ttft"]["prompts"] == 4
     assert tiny["decode"]["ratio"] > 0
     # both attention backends on the same engine's steps (Triton through its interpreter)
-    (attention,) = tiny["attention"]
-    assert attention["rows"] == 6 and attention["paths"] == ["decode"]
-    assert attention["triton_ms"] > 0 and attention["torch_ms"] > 0
+    decode, mixed = tiny["attention"]
+    assert decode["rows"] == 6 and decode["paths"] == ["decode"] and decode["chunk"] == 0
+    assert mixed["rows"] == 6 and mixed["paths"] == ["mixed"] and mixed["chunk"] == 12
+    for compared in (decode, mixed):
+        assert compared["triton_ms"] > 0 and compared["torch_ms"] > 0
+        assert "step_graphs_ms" not in compared  # CUDA only
     # every CUDA-only piece says why it did not run
     assert any(s.startswith("device bandwidth skipped: no CUDA device") for s in figures["skipped"])
     assert any("profiler CUDA activity skipped" in s for s in figures["skipped"])
@@ -65,6 +68,7 @@ def test_smoke_run_writes_figures_summary_and_profile(tmp_path):
 
     summary = (out / "summary.txt").read_text()
     assert "RATIO serving engine/best HF" in summary
-    assert "attention, decode steps of 6 rows" in summary
+    assert "attention, steps of 6 decode rows (context" in summary
+    assert "attention, steps of 6 decode rows beside a 12-token prompt" in summary
     assert "== figures (targets are printed, never asserted)" in summary
     assert "step phases over" in (out / "profile.txt").read_text()
