@@ -29,7 +29,7 @@ import torch
 
 from engine.models.llama import AttentionMetadata, KVCache, LlamaModel
 from engine.models.paged_attention import PagedAttentionMetadata, tokens_per_tile
-from engine.sequence import Sequence
+from engine.sequence import SamplingParams, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -148,10 +148,6 @@ class StepInputs:
         )
         return buffer, sampling
 
-    def padding(self, layout: StepLayout) -> np.ndarray:
-        """A buffer of padding tokens alone (capture and warm-up)."""
-        return self.build(layout, [], [])[0]
-
 
 class StepGraphs:
     """Captures the forward pass of every token bucket, then replays steps in them."""
@@ -179,7 +175,8 @@ class StepGraphs:
         self.short_q = tokens_per_tile(group, 1)
         keys = [(tokens, long_q) for tokens in self.buckets]
         if self.short_q != long_q:
-            keys += [(tokens, self.short_q) for tokens in self.buckets if tokens <= max_seqs]
+            decode = next((b for b in self.buckets if b >= max_seqs), self.buckets[-1])
+            keys += [(tokens, self.short_q) for tokens in self.buckets if tokens <= decode]
         self.layouts = {key: self.inputs.layout(*key) for key in keys}
         self.long_q = long_q
         device = cache.kv.device
@@ -230,24 +227,38 @@ class StepGraphs:
         host.numpy()[:] = buffer
         self.static[: len(buffer)].copy_(host, non_blocking=not wait)
 
+    def probe(self, layout: StepLayout) -> np.ndarray:
+        """A buffer of one short prompt in the spare block, padded to the layout: inputs
+        for capture that run every kernel (attention tiles included) and write nowhere
+        but the spare block."""
+        count = min(layout.tokens, self.inputs.block_size)
+        seq = Sequence(token_ids=list(range(1, count + 1)), params=SamplingParams())
+        seq.block_table = [self.inputs.spare_block]
+        return self.inputs.build(layout, [seq], [count])[0]
+
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> None:
         """Every bucket, the largest first, into one memory pool (shared with the decode
-        graphs where given), each after a run outside the capture (Triton compiles then)."""
+        graphs where given), each after a run outside the capture (Triton compiles then).
+        Each graph's replay must give its eager run's logits, else RuntimeError."""
         started = time.monotonic()
         self.pool = pool
         stream = torch.cuda.Stream()
         for key, layout in sorted(self.layouts.items(), reverse=True):
-            self._load(self.inputs.padding(layout), wait=True)
+            self._load(self.probe(layout), wait=True)
             step = self._forward(layout)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                step()
+                expected = step()[:1].clone()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 logits = step()
             self.pool = graph.pool()
+            graph.replay()
+            if not torch.allclose(logits[:1], expected, rtol=1e-3, atol=1e-3):
+                difference = (logits[:1] - expected).abs().max().item()
+                raise RuntimeError(f"the step graph {key} replays {difference:g} off its eager run")
             self.graphs[key] = (graph, logits)
         torch.cuda.synchronize()
         logger.info(

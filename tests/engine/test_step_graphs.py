@@ -173,3 +173,41 @@ def test_a_padded_step_matches_the_torch_path(tiny_llama: Path, device: str):
             for engine_seqs in seqs:
                 engine_seqs[index].token_ids.append(token)
     assert [engine_seqs[3].num_cached_tokens for engine_seqs in seqs] == [16, 16]
+
+
+@pytest.mark.skipif(triton_available() is not None, reason=f"{triton_available()}")
+def test_the_capture_probe_writes_the_spare_block_alone(tiny_llama: Path):
+    """The inputs a graph is captured and checked on: one short prompt in the spare block,
+    padding after it. Every block the engine hands out keeps its contents."""
+    config = EngineConfig(model=str(tiny_llama), num_blocks=16, block_size=16, max_model_len=64)
+    engine = LLMEngine(config)
+    engine.load()
+    runner = engine.runner
+    runner.model.set_kernels(False)
+    runner.cache.kv.normal_()
+    before = runner.cache.kv.clone()
+    graphs = StepGraphs(runner.model, runner.cache, 16, 4, max_tokens=40, max_seqs=4)
+    spare = runner.cache.spare_block
+    for layout in graphs.layouts.values():
+        graphs._load(graphs.probe(layout), wait=True)
+        logits = graphs._forward(layout)()
+        assert logits.shape == (layout.logits, engine.model_config.vocab_size)
+        assert torch.isfinite(logits[0]).all()
+    kv = runner.cache.kv
+    assert torch.equal(kv[:, :, :spare], before[:, :, :spare])
+    assert not torch.equal(kv[:, :, spare], before[:, :, spare])
+
+
+def test_decode_only_steps_take_short_tiles(tiny_llama: Path):
+    """Steps of single tokens take the short-tile layouts up to max_seqs rows, as an eager
+    step would; a step with a longer chunk the long tiles."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_blocks=16, max_model_len=64))
+    engine.load()
+    runner = engine.runner
+    graphs = StepGraphs(runner.model, runner.cache, 16, 4, max_tokens=256, max_seqs=20)
+    assert (graphs.short_q, graphs.long_q) == (8, 32)  # 16 and 64 rows of group 2
+    assert graphs.layout_for([1] * 20).block_q == 8
+    assert graphs.layout_for([1] * 19 + [2]).block_q == 8
+    assert graphs.layout_for([1] * 10 + [30]).block_q == 32
+    assert graphs.layout_for([1] * 4).tokens == 8
+    assert {tokens for tokens, q in graphs.layouts if q == 8} == {8, 16, 24}
