@@ -50,6 +50,7 @@ class EngineMetrics:
         labels = ["model_name"]
         self.model_name = model_name
         self._twins: dict[Any, Any] = {}
+        self._series: dict[Any, Any] = {}  # labels(): each metric's series, once looked up
 
         def vllm(metric: vllm_metrics.VllmMetric, extra_labels: tuple[str, ...] = ()) -> Any:
             return vllm_metrics.register(metric, self.registry, model_name, extra_labels)
@@ -144,10 +145,15 @@ class EngineMetrics:
         )  # fmt: skip
 
     def labels(self, metric: Any) -> Any:
-        """The engine's series of `metric` and, where vLLM has one, its vLLM twin."""
-        own = metric.labels(self.model_name)
-        twin = self._twins.get(metric)
-        return own if twin is None else Series(own, twin)
+        """The engine's series of `metric` and, where vLLM has one, its vLLM twin; looked
+        up once (prometheus_client's labels() takes a lock and builds a key per call, and
+        the step loop records a few series per token)."""
+        series = self._series.get(metric)
+        if series is None:
+            own = metric.labels(self.model_name)
+            twin = self._twins.get(metric)
+            series = self._series[metric] = own if twin is None else Series(own, twin)
+        return series
 
     def record_first_token(self, ttft_s: float, prompt_tokens: int) -> None:
         """A request's prefill is done: its first token came after ttft_s."""
