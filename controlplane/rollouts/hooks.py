@@ -17,7 +17,7 @@ from django.utils import timezone
 from contracts import tracing
 from controlplane.celery import app
 from controlplane.core.events import ROLLOUTS_LIVE_GROUP, publish_event_after_commit
-from controlplane.rollouts.models import Rollout, WebhookDelivery, WebhookEndpoint
+from controlplane.rollouts.models import Deployment, Rollout, WebhookDelivery, WebhookEndpoint
 
 # The names the tasks in tasks.py are registered under.
 RECONCILE_TASK = "rollouts.reconcile"
@@ -61,7 +61,24 @@ def rollout_event_payload(rollout: Rollout, event: str, **extra: Any) -> dict[st
 
 def emit(rollout: Rollout, event: str, *, extra: dict[str, Any] | None = None) -> None:
     """Outbox rows for matching webhooks (same transaction) and a live event after commit."""
-    payload = rollout_event_payload(rollout, event, **(extra or {}))
+    _emit_payload(event, rollout_event_payload(rollout, event, **(extra or {})))
+
+
+def emit_deployment(deployment: Deployment, event: str, fields: dict[str, Any]) -> None:
+    """The same for a change of a deployment outside any rollout (an undo): its name,
+    stable version and routing revision, and the change's own fields."""
+    payload = {
+        "event": event,
+        "deployment": deployment.name,
+        "stable_version_id": deployment.stable_version_id,
+        "routing_revision": deployment.routing_revision,
+        "at": timezone.now().isoformat(),
+        **fields,
+    }
+    _emit_payload(event, payload)
+
+
+def _emit_payload(event: str, payload: dict[str, Any]) -> None:
     event_id = uuid.uuid4()
     payload["event_id"] = str(event_id)
     for endpoint in WebhookEndpoint.objects.filter(is_active=True):

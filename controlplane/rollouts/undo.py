@@ -24,7 +24,6 @@ from django.utils import timezone
 
 from controlplane.audit.services import Actor, audit_event_record
 from controlplane.core.errors import Conflict, NotFound
-from controlplane.core.events import ROLLOUTS_LIVE_GROUP, publish_event_after_commit
 from controlplane.fleet.models import Agent, AgentState
 from controlplane.registry.models import DEPLOYABLE_STATUSES, ModelVersion, VersionStatus
 from controlplane.rollouts import hooks, transitions
@@ -134,10 +133,15 @@ def deployment_undo(*, actor: Actor, deployment_name: str, reason: str) -> UndoR
         after=after,
         reason=reason,
     )
-    publish_event_after_commit(
-        ROLLOUTS_LIVE_GROUP,
+    hooks.emit_deployment(
+        deployment,
         "deployment.undo",
-        {"deployment": deployment.name, "previous_version_id": demoted_id, **after},
+        {
+            "previous_version_id": demoted_id,
+            "revision_id": revision.pk,
+            "switch": switch.value,
+            "reason": reason,
+        },
     )
     hooks.reconcile_after_commit(deployment.pk)
     return UndoResult(deployment=deployment, revision=revision, switch=switch)

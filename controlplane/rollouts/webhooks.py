@@ -68,6 +68,7 @@ WEBHOOK_EVENTS = (
     "rollout.abort",
     "rollout.fail",
     "rollout.retry",
+    "deployment.undo",
 )
 
 

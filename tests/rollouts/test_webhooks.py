@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from controlplane.rollouts import webhooks
-from controlplane.rollouts.models import WebhookDelivery
+from controlplane.rollouts import transitions, webhooks
+from controlplane.rollouts.models import Deployment, DeploymentRevision, WebhookDelivery
 from controlplane.rollouts.tasks import webhook_deliver
 from controlplane.rollouts.transitions import TRANSITIONS
 from tests.rollouts.conftest import running_rollout
@@ -135,6 +135,61 @@ def test_signature_is_hmac_sha256_over_timestamp_and_body() -> None:
     assert not webhooks.signature_verify(secret="k", header=header, body=b'{"a":1}', now=1700001000)
 
 
-def test_every_rollout_event_can_be_subscribed_to() -> None:
+def test_every_rollout_event_and_undo_can_be_subscribed_to() -> None:
     actions = {spec.action for spec in TRANSITIONS.values()}
-    assert actions | {"rollout.create", "rollout.gate_blocked"} == set(webhooks.WEBHOOK_EVENTS)
+    assert actions | {"rollout.create", "rollout.gate_blocked", "deployment.undo"} == set(
+        webhooks.WEBHOOK_EVENTS
+    )
+
+
+def test_an_undo_is_delivered_to_its_subscribers(api, deployment, versions, receiver) -> None:
+    """An undo changes the stable version outside any rollout: subscribers of
+    deployment.undo (and of every event) get it, signed, with the versions swapped, the
+    revision and the reason; others do not."""
+    url, received, _ = receiver
+    manager = api("release_manager")
+    for name, events in (
+        ("undo", ["deployment.undo"]),
+        ("all", ["*"]),
+        ("other", ["rollout.promote"]),
+    ):
+        response = manager.post(
+            "/api/v1/webhooks/",
+            {"name": name, "url": url, "secret": SECRET, "events": events},
+            format="json",
+        )
+        assert response.status_code == 201, response.json()
+    stable, candidate = versions
+    rollout = running_rollout(deployment, candidate)
+    transitions.rollout_advance(actor=None, rollout_id=rollout.pk, reason="held", full=True)
+    WebhookDelivery.objects.all().delete()  # the promotion's
+
+    response = api("on_call").post(
+        "/api/v1/deployments/smollm2/undo/", {"reason": "errors on bf16"}, format="json"
+    )
+    assert response.status_code == 200, response.json()
+    deliveries = WebhookDelivery.objects.order_by("endpoint__name")
+    assert [(d.endpoint.name, d.event) for d in deliveries] == [
+        ("all", "deployment.undo"),
+        ("undo", "deployment.undo"),
+    ]
+    assert deliveries[0].event_id == deliveries[1].event_id
+    webhook_deliver.apply(args=[deliveries[1].pk])
+    ((headers, body),) = received
+    assert headers["X-Rollout-Event"] == "deployment.undo"
+    assert webhooks.signature_verify(
+        secret=SECRET, header=headers["X-Rollout-Signature"], body=body
+    )
+    payload = json.loads(body)
+    revision = DeploymentRevision.objects.filter(deployment=deployment).first()
+    assert revision is not None
+    assert {k: v for k, v in payload.items() if k not in ("at", "event_id")} == {
+        "event": "deployment.undo",
+        "deployment": "smollm2",
+        "stable_version_id": stable.pk,
+        "previous_version_id": candidate.pk,
+        "routing_revision": Deployment.objects.get(pk=deployment.pk).routing_revision,
+        "revision_id": revision.pk,
+        "switch": "after_load",
+        "reason": "errors on bf16",
+    }
