@@ -347,11 +347,13 @@ class ModelRunner:
     def max_draft_rows(self) -> int:
         """The most rows a decode step with drafts may have: greedy verification keeps plain
         decoding's tokens only where each row computes as it would in a step of its own. The
-        step kernel does at any of its row counts; fp32 compute on bf16 or int8 weights
-        rounds steps of up to SMALL_BATCH_ROWS rows to bf16 and keeps more in fp32, so
-        drafts stay within those few rows there."""
-        if self.max_decode_rows:
-            return self.max_decode_rows
+        step kernel does on its vector rows (tiles, AMX's from 5 rows, sum in another
+        order); fp32 compute on bf16 or int8 weights rounds steps of up to
+        SMALL_BATCH_ROWS rows to bf16 and keeps more in fp32, so drafts stay within those
+        few rows there."""
+        kernel = self.model.step_kernel
+        if self.max_decode_rows and kernel is not None:
+            return kernel.vector_rows
         model = self.model
         if model.compute_dtype == torch.float32 and model.storage != "float32":
             return SMALL_BATCH_ROWS

@@ -1140,6 +1140,16 @@ int row_tiles_kind(void) {
 #define DECODE_VECTOR_ROWS 12
 #define VECTOR_ROWS 4
 
+/* The most rows a decode step computes on vectors, each row exactly as in a step of its
+   own (what greedy verification of drafts needs); every row count where no tiles run. */
+int decode_vector_rows(void) {
+#if DOT_BF16
+    return amx_enabled ? VECTOR_ROWS : DECODE_VECTOR_ROWS;
+#else
+    return 1 << 30;
+#endif
+}
+
 /* Scratch for the B tiles of up to `rows` rows of `in` inputs, where tiles take more than
    `vector_rows` rows; NULL otherwise, or when out of memory. */
 static uint32_t *tile_scratch(int rows, int in, int vector_rows) {

@@ -430,6 +430,8 @@ class DecodeStepKernel:
         self.function.restype = C_INT
         self.shape = shape
         self.max_rows = TILE_ROWS[1] if row_tiles() else STEP_MAX_ROWS
+        # rows on vectors, each computed as it would be alone; tiles sum in another order
+        self.vector_rows = min(self.max_rows, library.decode_vector_rows())
         tensors = [t for layer in layers for t in (
             layer.input_norm, layer.qkv, layer.output, layer.post_norm, layer.gate_up, layer.down
         )] + [

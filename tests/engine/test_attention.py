@@ -439,6 +439,35 @@ def test_decode_step_kernel_matches_the_pytorch_layers(tiny_llama_dim32: Path):
 
 
 @needs_step_kernel
+def test_draft_rows_compute_as_steps_of_their_own(tiny_llama_dim32: Path):
+    """Greedy verification keeps plain decoding's tokens only where a row of a step of
+    max_draft_rows rows gets the very logits it gets alone: bit for bit, on every kernel
+    target (AMX's tiles take steps from 5 rows and sum in another order than vectors)."""
+    engine = engine_for(tiny_llama_dim32, use_kernel=True)
+    runner = engine.runner
+    kernel = runner.model.step_kernel
+    assert kernel is not None
+    rows = runner.max_draft_rows
+    tiles = decode_attention.row_tiles()
+    assert rows == {"amx": 4, "vnni": 12, None: 4}[tiles] == kernel.vector_rows
+    rng = random.Random(7)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    seqs = []
+    for length in range(20, 20 + rows + 2):
+        seq = Sequence(token_ids=[rng.randrange(3, 400) for _ in range(length)], params=params)
+        assert engine.block_manager.allocate(seq)
+        assert engine.block_manager.ensure_capacity(seq, length)
+        runner.run(ScheduledBatch(seqs=[seq], num_new_tokens=[length - 1]))
+        seq.num_computed_tokens = length - 1
+        seqs.append(seq)
+    alone = [runner.decode_step([seq]).logits[0] for seq in seqs]
+    for count in range(2, rows + 1):
+        together = runner.decode_step(seqs[:count]).logits
+        for row in range(count):
+            assert torch.equal(together[row], alone[row]), (count, row)
+
+
+@needs_step_kernel
 @pytest.mark.parametrize("count", ["one", "three", "most"])
 def test_decode_step_kernel_greedy_tokens_are_each_rows_first_maximum(
     tiny_llama_dim32: Path, count: str
