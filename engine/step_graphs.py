@@ -124,9 +124,8 @@ class StepInputs:
             tokens += seq.tokens_at(first, count)
             blocks += seq.block_table[:width]
         table_rows = np.repeat(np.arange(n), widths)
-        table[table_rows, np.arange(len(blocks)) - (np.cumsum(widths) - widths)[table_rows]] = (
-            blocks
-        )
+        first_block = np.cumsum(widths) - widths
+        table[table_rows, np.arange(len(blocks)) - first_block[table_rows]] = blocks
         lengths = np.fromiter((len(seq) for seq in seqs), np.int64, n)
         samples = np.flatnonzero(seq_lens[:n] == lengths)  # the last token computed now
         sampling = [seqs[index] for index in samples.tolist()]
