@@ -130,14 +130,9 @@ def test_a_one_token_chunk_of_a_prompt_attends_to_its_prefix_alone(tiny_llama: P
     assert (chunked - whole).abs().max().item() <= (0.05 if kernels else 1e-4) * scale
 
 
-@pytest.mark.skipif(triton_available() is not None, reason=f"{triton_available()}")
-@pytest.mark.parametrize("device", DEVICES)
-def test_triton_kernel_matches_the_torch_path(tiny_llama: Path, device: str):
-    """Every token of a step in the Triton paged attention kernel (on CPU through Triton's
-    interpreter) against PyTorch ops, both fp32: the same logits at every step of prompts,
-    a chunk after cached context, a prompt whose first block is a prefix-cache hit, decode
-    rows, drafts as chunks, then a decode step with drafts in decode_padded's fixed shapes
-    (each row a sequence of its own, as the CUDA graphs replay it)."""
+def backend_engines(tiny_llama: Path, device: str) -> list[LLMEngine]:
+    """Two engines of the tiny model in fp32 PyTorch ops: attention in the Triton kernel,
+    then in PyTorch ops."""
     engines = []
     for backend in ("triton", "torch"):
         config = EngineConfig(
@@ -148,6 +143,42 @@ def test_triton_kernel_matches_the_torch_path(tiny_llama: Path, device: str):
         engine.runner.model.set_kernels(False)
         engine.runner.set_attention_backend(backend)
         engines.append(engine)
+    return engines
+
+
+def run_planned_step(
+    engine: LLMEngine, seqs: list[Sequence], step: list[tuple[int, int, list[int]]]
+) -> tuple[torch.Tensor, list[int]]:
+    """One step of (sequence index, new tokens, drafts after them) through the runner, its
+    blocks allocated first; the logits and the indices of the sequences that sampled, in
+    row order. The drafts are then rejected: the next step writes over their K/V."""
+    batch = ScheduledBatch()
+    for index, count, drafts in step:
+        seq = seqs[index]
+        if not seq.block_table:
+            assert engine.block_manager.allocate(seq)
+        seq.draft_token_ids = list(drafts)
+        end = seq.num_computed_tokens + count + len(drafts)
+        assert engine.block_manager.ensure_capacity(seq, end)
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(count + len(drafts))
+    output, sampling = engine.runner.run(batch)
+    for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        seq.num_computed_tokens += count - len(seq.draft_token_ids)
+        seq.draft_token_ids = []
+        engine.block_manager.register_computed(seq)
+    return output.logits, [seqs.index(seq) for seq in sampling]
+
+
+@pytest.mark.skipif(triton_available() is not None, reason=f"{triton_available()}")
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_kernel_matches_the_torch_path(tiny_llama: Path, device: str):
+    """Every token of a step in the Triton paged attention kernel (on CPU through Triton's
+    interpreter) against PyTorch ops, both fp32: the same logits at every step of prompts,
+    a chunk after cached context, a prompt whose first block is a prefix-cache hit, decode
+    rows, drafts as chunks, then a decode step with drafts in decode_padded's fixed shapes
+    (each row a sequence of its own, as the CUDA graphs replay it)."""
+    engines = backend_engines(tiny_llama, device)
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in (5, 16, 40)]
     prompts.append(prompts[1] + [rng.randrange(3, 400) for _ in range(9)])  # shares a block
@@ -163,24 +194,8 @@ def test_triton_kernel_matches_the_torch_path(tiny_llama: Path, device: str):
     for step in plan:
         outputs = []
         for engine, engine_seqs in zip(engines, seqs, strict=True):
-            batch = ScheduledBatch()
-            for index, count, drafts in step:
-                seq = engine_seqs[index]
-                if not seq.block_table:
-                    assert engine.block_manager.allocate(seq)
-                seq.draft_token_ids = list(drafts)
-                end = seq.num_computed_tokens + count + len(drafts)
-                assert engine.block_manager.ensure_capacity(seq, end)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(count + len(drafts))
-            output, sampling = engine.runner.run(batch)
+            outputs.append(run_planned_step(engine, engine_seqs, step))
             assert engine.runner.last_path in ("decode", "mixed")
-            outputs.append((output.logits, [engine_seqs.index(seq) for seq in sampling]))
-            for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
-                # drafts rejected: the next step writes over their K/V
-                seq.num_computed_tokens += count - len(seq.draft_token_ids)
-                seq.draft_token_ids = []
-                engine.block_manager.register_computed(seq)
         (logits, order), (expected, expected_order) = outputs
         assert order == expected_order
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)

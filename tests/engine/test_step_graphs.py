@@ -13,10 +13,9 @@ import torch
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.models.paged_attention import triton_available
-from engine.scheduler import ScheduledBatch
 from engine.sequence import SamplingParams, Sequence
 from engine.step_graphs import StepGraphs, StepInputs, token_buckets
-from tests.engine.test_attention_layouts import DEVICES
+from tests.engine.test_attention_layouts import DEVICES, backend_engines, run_planned_step
 
 
 def test_token_buckets_cover_every_step_size():
@@ -110,16 +109,7 @@ def test_a_padded_step_matches_the_torch_path(tiny_llama: Path, device: str):
     Triton kernel (on CPU, Triton's interpreter) against PyTorch ops: the same logits at
     every step of prompts, a chunk after cached context, a prefix-cache hit and decode
     rows; a step with drafts is not theirs."""
-    engines = []
-    for backend in ("triton", "torch"):
-        config = EngineConfig(
-            model=str(tiny_llama), device=device, num_blocks=64, block_size=16, max_model_len=128
-        )
-        engine = LLMEngine(config)
-        engine.load()
-        engine.runner.model.set_kernels(False)
-        engine.runner.set_attention_backend(backend)
-        engines.append(engine)
+    engines = backend_engines(tiny_llama, device)
     runner = engines[0].runner
     runner.step_graphs = StepGraphs(runner.model, runner.cache, 16, 8, max_tokens=64, max_seqs=8)
     if device == "cuda":
@@ -137,24 +127,10 @@ def test_a_padded_step_matches_the_torch_path(tiny_llama: Path, device: str):
     params = SamplingParams(max_tokens=64, temperature=0.0)
     seqs = [[Sequence(token_ids=list(p), params=params) for p in prompts] for _ in engines]
     for step in plan:
-        outputs = []
-        for engine, engine_seqs in zip(engines, seqs, strict=True):
-            batch = ScheduledBatch()
-            for index, count, drafts in step:
-                seq = engine_seqs[index]
-                if not seq.block_table:
-                    assert engine.block_manager.allocate(seq)
-                seq.draft_token_ids = list(drafts)
-                end = seq.num_computed_tokens + count + len(drafts)
-                assert engine.block_manager.ensure_capacity(seq, end)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(count + len(drafts))
-            output, sampling = engine.runner.run(batch)
-            outputs.append((output.logits, [engine_seqs.index(seq) for seq in sampling]))
-            for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
-                seq.num_computed_tokens += count - len(seq.draft_token_ids)
-                seq.draft_token_ids = []
-                engine.block_manager.register_computed(seq)
+        outputs = [
+            run_planned_step(engine, engine_seqs, step)
+            for engine, engine_seqs in zip(engines, seqs, strict=True)
+        ]
         if any(drafts for _, _, drafts in step):
             assert runner.last_path in ("decode", "mixed")
             continue
