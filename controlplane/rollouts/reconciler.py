@@ -503,7 +503,7 @@ def _converge_agents(
                     unplaced.append(why)
                 break
             reason = f"reconcile {deployment.name} revision {deployment.routing_revision}"
-            if not _load_send(deployment, agent, version_id, reason, report):
+            if not _load_send(deployment, agent, version_id, reason, report, client):
                 break
             in_flight.add(agent.pk)
             replicas.add(agent.pk)
@@ -523,7 +523,7 @@ def _converge_agents(
             for a in alive_with(previous_id)
         )
     ):
-        _warm_load(deployment, previous_id, alive, busy, placement, report)
+        _warm_load(deployment, previous_id, alive, busy, placement, report, client)
 
     grace = settings.ROLLOUTS_DRAIN_GRACE_S
     retirable = [
@@ -563,6 +563,7 @@ def _converge_agents(
                 reason=f"version {agent.loaded_version_id} has more replicas than asked"
                 if surplus
                 else f"version {agent.loaded_version_id} is no longer routed",
+                redis_client=client,
             )
             report.drains.append(agent.name)
             client.delete(retire_key)
@@ -621,6 +622,7 @@ def _warm_load(
     busy: Any,
     placement: Placement | _LazyPlacement,
     report: ReconcileReport,
+    client: redis.Redis,
 ) -> None:
     """Load the previous stable version on an idle agent whose memory holds it. An agent
     still holding a version nobody needs is drained first (a revoked one must stop at
@@ -629,13 +631,19 @@ def _warm_load(
     agent, _ = placement.choose(version_id, spare)  # nothing fits: it is simply not warm
     if agent is not None:
         reason = f"keep {deployment.name}'s previous stable version warm"
-        _load_send(deployment, agent, version_id, reason, report)
+        _load_send(deployment, agent, version_id, reason, report, client)
 
 
 def _load_send(
-    deployment: Deployment, agent: Agent, version_id: int, reason: str, report: ReconcileReport
+    deployment: Deployment,
+    agent: Agent,
+    version_id: int,
+    reason: str,
+    report: ReconcileReport,
+    client: redis.Redis,
 ) -> bool:
-    """Send `agent` a load of `version_id`; False (logged) when the fleet refuses it."""
+    """Send `agent` a load of `version_id` on the pass's Redis connection; False (logged)
+    when the fleet refuses it."""
     from controlplane.fleet import services as fleet_services
 
     try:
@@ -648,6 +656,7 @@ def _load_send(
             # every request against.
             served_model_name=deployment.stable_version.model.name,
             reason=reason,
+            redis_client=client,
         )
     except DomainError as exc:
         logger.warning("load not sent", extra={"agent": agent.name, "error": exc.message})
