@@ -2,8 +2,10 @@
 
 The one way to send them: `publish_events` (many events to some groups, in one event
 loop entry: ingest sends many), `publish_event` for one, and `publish_event_after_commit`
-from inside a transaction. Every websocket consumer subscribed to a group forwards the
-event to its browser. Best effort: the dashboard re-renders from the database on each
+from inside a transaction; a pass of many changes (the reconciler's) wraps them in
+`publishing_batched`, which sends everything they published in one entry at its end.
+Every websocket consumer subscribed to a group forwards the event to its browser. Best
+effort: the dashboard re-renders from the database on each
 event (and polls), so a lost event delays a view and loses nothing; a failure is logged,
 never raised.
 
@@ -13,7 +15,9 @@ that each re-reads the user and follows (see `dashboard.consumers`).
 """
 
 import logging
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from asgiref.sync import async_to_sync
@@ -39,8 +43,32 @@ def user_live_group(user_id: int) -> str:
     return f"live.user.{user_id}"
 
 
+_batches = threading.local()  # publishing_batched: this thread's messages held back
+
+
+@contextmanager
+def publishing_batched() -> Iterator[None]:
+    """Hold back the messages this thread publishes (after each commit too) and send them
+    in one event loop entry when the block ends, in order: each entry costs a few
+    milliseconds (async_to_sync), about 30 % of a reconcile pass that sends hundreds of
+    loads. Nested blocks send with the outermost."""
+    if getattr(_batches, "messages", None) is not None:
+        yield
+        return
+    _batches.messages = []
+    try:
+        yield
+    finally:
+        messages, _batches.messages = _batches.messages, None
+        _group_send_all(messages)
+
+
 def _group_send_all(messages: Sequence[tuple[str, dict[str, Any]]]) -> None:
     """Send each (group, message) in one event loop entry; a failure is logged."""
+    held = getattr(_batches, "messages", None)
+    if held is not None:
+        held.extend(messages)
+        return
     layer = get_channel_layer()
     if layer is None or not messages:
         return

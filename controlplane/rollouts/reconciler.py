@@ -34,6 +34,7 @@ from django.utils import timezone
 from contracts import tracing
 from contracts.routing import ROLE_SHADOW, VersionRoute
 from controlplane.core.errors import DomainError
+from controlplane.core.events import publishing_batched
 from controlplane.core.redis_clients import redis_client
 from controlplane.fleet.endpoint_checks import endpoints_verify
 from controlplane.fleet.models import Agent, AgentCommand, AgentState, CommandKind, CommandStatus
@@ -103,20 +104,22 @@ def reconcile_deployments(
     *, deployment_ids: Sequence[int], client: redis.Redis | None = None
 ) -> list[ReconcileReport]:
     """A pass over many deployments, one after another, reading the fleet once
-    (`FleetView`). A deployment whose pass fails is logged; the others still run."""
+    (`FleetView`). A deployment whose pass fails is logged; the others still run. Live
+    events go out together at the end of the pass."""
     own_client = client is None
     client = client or redis_client(decode_responses=True)
     view = FleetView()
     reports = []
     try:
-        for deployment_id in deployment_ids:
-            try:
-                reports.append(
-                    reconcile_deployment(deployment_id=deployment_id, client=client, view=view)
-                )
-            except Exception:
-                logger.exception("reconcile failed", extra={"deployment_id": deployment_id})
-                view.invalidate()
+        with publishing_batched():
+            for deployment_id in deployment_ids:
+                try:
+                    reports.append(
+                        reconcile_deployment(deployment_id=deployment_id, client=client, view=view)
+                    )
+                except Exception:
+                    logger.exception("reconcile failed", extra={"deployment_id": deployment_id})
+                    view.invalidate()
     finally:
         if own_client:
             client.close()
