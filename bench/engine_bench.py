@@ -226,7 +226,8 @@ def measure(options: Options) -> dict[str, Any]:
           f"{serving.seconds:.1f}s = {engine_rate:.1f} tok/s (prefix hits "
           f"{stats.get('prefix_cache_hits_total', 0)}, preemptions "
           f"{stats.get('num_preemptions_total', 0)}, decode graphs "
-          f"{stats.get('decode_graphs', 0)}); load average {os.getloadavg()[0]:.1f}",
+          f"{stats.get('decode_graphs', 0)}, step graphs {stats.get('step_graphs', 0)}); "
+          f"load average {os.getloadavg()[0]:.1f}",
           flush=True)  # fmt: skip
     print(f"engine steps of the serving run, forward pass and sampling, by the way they ran: "
           f"{step_breakdown(before, stats)}", flush=True)  # fmt: skip

@@ -447,13 +447,19 @@ def measure_shape(
         stop_engine(process)
     serving["steps"] = step_breakdown(before, stats)
     serving["preemptions"] = stats.get("num_preemptions_total", 0)
+    serving["graphs"] = {
+        "decode": stats.get("decode_graphs", 0),
+        "step": stats.get("step_graphs", 0),
+        "attention": stats.get("attention_backend", ""),
+    }
     result["serving"] = serving
     log(
         f"[{shape.name}] engine over HTTP: {serving['submitted']} requests, {plan.in_flight} in "
         f"flight from {plan.client_processes} client process(es), {serving['tokens']} useful "
         f"tokens in {serving['seconds']:.1f}s = {serving['rate']:.0f} tok/s (in-process "
         f"{profile['phases'].get('useful_tokens_per_s') or 0:.0f}); steps {serving['steps']}; "
-        f"preemptions {serving['preemptions']}"
+        f"preemptions {serving['preemptions']}; attention {serving['graphs']['attention']}, "
+        f"graphs: {serving['graphs']['decode']} decode, {serving['graphs']['step']} step"
     )
     ttft_ms = sorted(t * 1000 for t in ttft)
     result["ttft"] = {

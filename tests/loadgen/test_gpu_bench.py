@@ -37,6 +37,8 @@ def test_smoke_run_writes_figures_summary_and_profile(tmp_path):
     useful = tiny["workload"]["useful_tokens"]
     assert tiny["serving"]["tokens"] == useful
     assert tiny["serving"]["submitted"] == 8
+    # graphs are CUDA's: the served engine on CPU captures none, and says so
+    assert tiny["serving"]["graphs"] == {"decode": 0, "step": 0, "attention": "torch"}
     assert {size: row["tokens"] for size, row in tiny["reference"].items()} == {
         "2": useful, "8": useful,
     }  # fmt: skip
