@@ -347,8 +347,9 @@ class ModelRunner:
     def max_draft_rows(self) -> int:
         """The most rows a decode step with drafts may have: greedy verification keeps plain
         decoding's tokens only where each row computes as it would in a step of its own. The
-        step kernel does on its vector rows (tiles, AMX's from 5 rows, sum in another
-        order); fp32 compute on bf16 or int8 weights rounds steps of up to
+        step kernel does on vectors, where it keeps drafted steps of up to its vector_rows
+        (tiles, which take other steps of 5 rows and more on AMX, sum in another order);
+        fp32 compute on bf16 or int8 weights rounds steps of up to
         SMALL_BATCH_ROWS rows to bf16 and keeps more in fp32, so drafts stay within those
         few rows there."""
         kernel = self.model.step_kernel
@@ -389,7 +390,10 @@ class ModelRunner:
                 table += row
         kernel = self.model.step_kernel
         assert kernel is not None
-        return StepLogits(*kernel(token_ids, self.cache.kv, table, lengths, greedy=True))
+        drafted = len(token_ids) > len(seqs)
+        return StepLogits(
+            *kernel(token_ids, self.cache.kv, table, lengths, greedy=True, same_as_alone=drafted)
+        )
 
     def run(self, batch: ScheduledBatch) -> tuple[StepLogits, list[Sequence]]:
         """Logits [rows, vocab] fp32 (and, from the step kernel, their greedy tokens) for

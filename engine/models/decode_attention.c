@@ -1140,11 +1140,13 @@ int row_tiles_kind(void) {
 #define DECODE_VECTOR_ROWS 12
 #define VECTOR_ROWS 4
 
-/* The most rows a decode step computes on vectors, each row exactly as in a step of its
-   own (what greedy verification of drafts needs); every row count where no tiles run. */
+/* The most rows a decode step computes on vectors when asked to (decode_step_bf16's
+   vector_rows): the vectors compute each row exactly as in a step of its own, which
+   greedy verification of drafts needs, while tiles sum in another order. Every row count
+   where no tiles run. */
 int decode_vector_rows(void) {
 #if DOT_BF16
-    return amx_enabled ? VECTOR_ROWS : DECODE_VECTOR_ROWS;
+    return DECODE_VECTOR_ROWS;
 #else
     return 1 << 30;
 #endif
@@ -1154,7 +1156,7 @@ int decode_vector_rows(void) {
    `vector_rows` rows; NULL otherwise, or when out of memory. */
 static uint32_t *tile_scratch(int rows, int in, int vector_rows) {
 #if DOT_BF16
-    if (rows <= (amx_enabled ? VECTOR_ROWS : vector_rows)) return NULL;
+    if (rows <= vector_rows) return NULL;
     const int chunk = rows < TILE_PASS_ROWS ? rows : TILE_PASS_ROWS;
     return aligned_alloc(64, (size_t)((chunk + 15) / 16) * in * 16 * sizeof(uint16_t));
 #else
@@ -1292,12 +1294,13 @@ static int step_inputs_fit(const step_shape *m, const int64_t *token_ids,
    block_table [rows, width] and lengths [rows] as for decode_attention_bf16: a row's
    token is at position lengths[row] - 1, its K and V written to that position's slot.
    logits: [rows, vocab] fp32; tokens: NULL, or [rows] for each row's greedy token
-   (argmax_rows_f32's). Returns 0, -1 if out of memory, -2 if an input is out of range
+   (argmax_rows_f32's). vector_rows: up to this many rows stay on vectors (a step with
+   drafts asks decode_vector_rows()), 0 for the target's own choice. Returns 0, -1 if out of memory, -2 if an input is out of range
    (step_inputs_fit; nothing is written then). */
 int decode_step_bf16(const step_shape *m, const uint16_t *const *weights, uint16_t *cache,
                      const int64_t *token_ids, const int32_t *block_table, int width,
                      const int32_t *lengths, float *logits, int32_t *tokens, int rows,
-                     int threads) {
+                     int vector_rows, int threads) {
     if (!step_inputs_fit(m, token_ids, block_table, width, lengths, rows)) return -2;
     const int hidden = m->hidden, dim = m->dim, group = m->heads / m->kv_heads;
     const int qkv_width = (m->heads + 2 * m->kv_heads) * dim;
@@ -1314,7 +1317,9 @@ int decode_step_bf16(const step_shape *m, const uint16_t *const *weights, uint16
     uint16_t *activated = gate_up + (long)rows * 2 * m->intermediate;
     int widest = hidden > m->intermediate ? hidden : m->intermediate;
     if (m->heads * dim > widest) widest = m->heads * dim;
-    uint32_t *b = tile_scratch(rows, widest, DECODE_VECTOR_ROWS); /* NULL: vectors */
+    /* 0: the target's own choice, AMX's tiles from 5 rows (they cost little), else 13 */
+    if (vector_rows <= 0) vector_rows = amx_enabled ? VECTOR_ROWS : DECODE_VECTOR_ROWS;
+    uint32_t *b = tile_scratch(rows, widest, vector_rows); /* NULL: vectors */
     int32_t *found = tokens ? malloc((size_t)rows * (threads > 0 ? threads : 1) * sizeof(int32_t)) : NULL;
     if (tokens && !found) {
         free(b);

@@ -424,13 +424,15 @@ class DecodeStepKernel:
                 POINTER,  # logits
                 POINTER,  # greedy tokens, or NULL
                 C_INT,  # rows
+                C_INT,  # rows kept on vectors (0: the target's choice)
                 C_INT,  # threads
             ],
         )
         self.function.restype = C_INT
         self.shape = shape
         self.max_rows = TILE_ROWS[1] if row_tiles() else STEP_MAX_ROWS
-        # rows on vectors, each computed as it would be alone; tiles sum in another order
+        # the most rows a step asked to keep them on vectors (same_as_alone) computes each
+        # as it would alone: tiles sum in another order (AMX's take 5 rows and more)
         self.vector_rows = min(self.max_rows, library.decode_vector_rows())
         tensors = [t for layer in layers for t in (
             layer.input_norm, layer.qkv, layer.output, layer.post_norm, layer.gate_up, layer.down
@@ -471,12 +473,14 @@ class DecodeStepKernel:
         block_table: list[int],
         lengths: list[int],
         greedy: bool = False,
+        same_as_alone: bool = False,
     ) -> tuple[torch.Tensor, list[int] | None]:
         """token_ids: each row's token; cache: every layer's [layers, 2 * kv_heads, blocks,
         block_size, dim] bf16; block_table: the rows' block tables one after another, each
         padded to the widest; lengths: each row's keys, its token at position length - 1.
         Returns the logits [rows, vocab] fp32 and, if greedy, each row's first maximum
-        (ArgmaxKernel's), found inside the step.
+        (ArgmaxKernel's), found inside the step. same_as_alone: each row's logits exactly
+        as in a step of its own (drafts' verification), for up to vector_rows rows.
 
         The step's few integers come as lists and go to C as `array` buffers: between
         two steps every tensor op ran from memory (the weights a step streams fill the
@@ -485,6 +489,8 @@ class DecodeStepKernel:
         rows = len(token_ids)
         if not 1 <= rows <= self.max_rows or len(lengths) != rows:
             raise ValueError(f"decode_step takes 1 to {self.max_rows} rows, one length each")
+        if same_as_alone and rows > self.vector_rows:
+            raise ValueError(f"decode_step computes up to {self.vector_rows} rows as alone")
         if not block_table or len(block_table) % rows:
             raise ValueError("decode_step needs one block table row per row, all as wide")
         if cache is not self.cache:
@@ -507,6 +513,7 @@ class DecodeStepKernel:
             logits.data_ptr(),
             None if tokens is None else tokens.buffer_info()[0],
             rows,
+            self.vector_rows if same_as_alone else 0,
             torch.get_num_threads(),
         )
         if status == -2:
