@@ -11,6 +11,7 @@ import torch
 from engine.config import EngineConfig
 from engine.cuda_graphs import GRAPH_ROWS, DecodeGraphs, table_widths
 from engine.llm_engine import LLMEngine
+from engine.models.paged_attention import triton_available
 from engine.sequence import SamplingParams, Sequence
 
 PROMPT_LENGTHS = [3, 9, 17, 30, 41]  # one to three blocks of 16 at the start
@@ -88,20 +89,29 @@ def test_padded_decode_gives_the_logits_of_the_step_it_stands_for(
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_graphs_replay_the_eager_tokens_on_cuda(tiny_llama: Path, dtype: str):
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_graphs_replay_the_eager_tokens_on_cuda(tiny_llama: Path, dtype: str, attention: str):
+    """The engine with its graphs against the engine eager: the same greedy tokens. With
+    the Triton attention the first (mixed) step replays a step graph too."""
+    if attention == "triton" and triton_available() is not None:
+        pytest.skip(f"{triton_available()}")
     outputs = []
     for eager in (True, False):
         engine = LLMEngine(
             EngineConfig(
                 model=str(tiny_llama), dtype=dtype, device="cuda", max_model_len=128,
                 num_blocks=64, enforce_eager=eager, speculative="off",
+                attention_backend=attention,
             )
         )  # fmt: skip
         engine.load()
         engine.warm_up()
         assert engine.runner.graphs_ready is not eager
+        stepped = not eager and attention == "triton"
+        assert engine.runner.step_graphs_ready is stepped
         outputs.append(generate(engine))
         steps = engine.stats()["steps"]
         assert isinstance(steps, dict)
         assert ("graph" in steps) is not eager
+        assert ("step_graph" in steps) is stepped
     assert outputs[0] == outputs[1]

@@ -16,7 +16,6 @@ from engine.models.paged_attention import triton_available
 from engine.sequence import SamplingParams, Sequence
 from engine.step_graphs import StepGraphs, StepInputs, token_buckets
 from tests.engine.test_attention_layouts import DEVICES, backend_engines, run_planned_step
-from tests.engine.test_cuda_graphs import generate
 
 
 def test_token_buckets_cover_every_step_size():
@@ -188,28 +187,3 @@ def test_decode_only_steps_take_short_tiles(tiny_llama: Path):
     assert graphs.layout_for([1] * 10 + [30]).block_q == 32
     assert graphs.layout_for([1] * 4).tokens == 8
     assert {tokens for tokens, q in graphs.layouts if q == 8} == {8, 16, 24}
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-@pytest.mark.skipif(triton_available() is not None, reason=f"{triton_available()}")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_step_graphs_replay_the_eager_tokens_on_cuda(tiny_llama: Path, dtype: str):
-    """The engine with every graph against the engine eager: the same greedy tokens, with
-    the first (mixed) step replayed from a step graph."""
-    outputs = []
-    for eager in (True, False):
-        engine = LLMEngine(
-            EngineConfig(
-                model=str(tiny_llama), dtype=dtype, device="cuda", max_model_len=128,
-                num_blocks=64, enforce_eager=eager, speculative="off",
-                attention_backend="triton",
-            )
-        )  # fmt: skip
-        engine.load()
-        engine.warm_up()
-        assert engine.runner.step_graphs_ready is not eager
-        outputs.append(generate(engine))
-        steps = engine.stats()["steps"]
-        assert isinstance(steps, dict)
-        assert ("step_graph" in steps) is not eager
-    assert outputs[0] == outputs[1]
