@@ -40,6 +40,22 @@ def table_widths(max_blocks: int) -> list[int]:
     return widths
 
 
+def capture_after_warm_up(
+    step: Callable[[], torch.Tensor], stream: torch.cuda.Stream, pool: Any
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+    """Run `step` once on a side stream (kernels chosen, Triton compiled and workspaces
+    made outside the capture), then capture it into the memory pool `pool` (None: a new
+    one): the graph, its static output and the warm run's output."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        warm = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = step()
+    return graph, output, warm
+
+
 class DecodeInputs:
     """The step's inputs as decode_padded reads them, [rows, 4 + width] int64 (LlamaModel),
     built on the host in one tensor and copied to the static buffer in one copy."""
@@ -115,16 +131,9 @@ class DecodeGraphs:
         pad = self.inputs.pad_row(self.widths[-1])
         self.static.copy_(torch.tensor([pad] * self.rows[-1], dtype=torch.int64))
         stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
         for rows in reversed(self.rows):
             for width in reversed(self.widths):
-                step = self._step(rows, width)
-                with torch.cuda.stream(stream):
-                    step()  # kernels chosen and workspaces made outside the capture
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    logits = step()
+                graph, logits, _ = capture_after_warm_up(self._step(rows, width), stream, self.pool)
                 self.pool = graph.pool()
                 self.graphs[(rows, width)] = (graph, logits)
         torch.cuda.synchronize()

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.cuda_graphs import capture_after_warm_up
 from engine.models.llama import AttentionMetadata, KVCache, LlamaModel
 from engine.models.paged_attention import PagedAttentionMetadata, tokens_per_tile
 from engine.sequence import SamplingParams, Sequence
@@ -245,15 +246,10 @@ class StepGraphs:
         stream = torch.cuda.Stream()
         for key, layout in sorted(self.layouts.items(), reverse=True):
             self._load(self.probe(layout), wait=True)
-            step = self._forward(layout)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                expected = step()[:1].clone()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = step()
+            graph, logits, warm = capture_after_warm_up(self._forward(layout), stream, self.pool)
             self.pool = graph.pool()
+            expected = warm[:1].clone()
+            del warm
             graph.replay()
             if not torch.allclose(logits[:1], expected, rtol=1e-3, atol=1e-3):
                 difference = (logits[:1] - expected).abs().max().item()

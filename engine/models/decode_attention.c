@@ -1295,7 +1295,8 @@ static int step_inputs_fit(const step_shape *m, const int64_t *token_ids,
    token is at position lengths[row] - 1, its K and V written to that position's slot.
    logits: [rows, vocab] fp32; tokens: NULL, or [rows] for each row's greedy token
    (argmax_rows_f32's). vector_rows: up to this many rows stay on vectors (a step with
-   drafts asks decode_vector_rows()), 0 for the target's own choice. Returns 0, -1 if out of memory, -2 if an input is out of range
+   drafts asks decode_vector_rows()), 0 for the target's own choice. Returns 0, -1 if
+   out of memory, -2 if an input is out of range
    (step_inputs_fit; nothing is written then). */
 int decode_step_bf16(const step_shape *m, const uint16_t *const *weights, uint16_t *cache,
                      const int64_t *token_ids, const int32_t *block_table, int width,
@@ -1317,7 +1318,8 @@ int decode_step_bf16(const step_shape *m, const uint16_t *const *weights, uint16
     uint16_t *activated = gate_up + (long)rows * 2 * m->intermediate;
     int widest = hidden > m->intermediate ? hidden : m->intermediate;
     if (m->heads * dim > widest) widest = m->heads * dim;
-    /* 0: the target's own choice, AMX's tiles from 5 rows (they cost little), else 13 */
+    /* 0: the target's own choice: AMX's tiles from 5 rows (they cost little), else
+       vectors up to 12 rows */
     if (vector_rows <= 0) vector_rows = amx_enabled ? VECTOR_ROWS : DECODE_VECTOR_ROWS;
     uint32_t *b = tile_scratch(rows, widest, vector_rows); /* NULL: vectors */
     int32_t *found = tokens ? malloc((size_t)rows * (threads > 0 ? threads : 1) * sizeof(int32_t)) : NULL;

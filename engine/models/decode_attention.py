@@ -431,8 +431,8 @@ class DecodeStepKernel:
         self.function.restype = C_INT
         self.shape = shape
         self.max_rows = TILE_ROWS[1] if row_tiles() else STEP_MAX_ROWS
-        # the most rows a step asked to keep them on vectors (same_as_alone) computes each
-        # as it would alone: tiles sum in another order (AMX's take 5 rows and more)
+        # the most rows a step with same_as_alone keeps on vectors, which compute each row
+        # as a one-row step does (tiles, AMX's from 5 rows, sum in another order)
         self.vector_rows = min(self.max_rows, library.decode_vector_rows())
         tensors = [t for layer in layers for t in (
             layer.input_norm, layer.qkv, layer.output, layer.post_norm, layer.gate_up, layer.down
