@@ -21,6 +21,7 @@ from django.utils import timezone
 from contracts.capacity import footprint_total
 from contracts.commands import (
     COMMANDS_MAXLEN,
+    Command,
     CommandResult,
     command_refusal_reason,
     commands_stream,
@@ -28,7 +29,13 @@ from contracts.commands import (
 )
 from contracts.commands import CommandKind as WireCommandKind
 from contracts.engine_identity import engine_endpoint, is_valid_host
-from controlplane.audit.services import Actor, acting_user, audit_event_record
+from controlplane.audit.services import (
+    Actor,
+    acting_user,
+    audit_event_new,
+    audit_event_record,
+    audit_events_record,
+)
 from controlplane.core import access
 from controlplane.core.errors import Conflict, DomainError, Forbidden, NotFound, Unavailable
 from controlplane.core.events import BROADCAST_GROUP, FLEET_LIVE_GROUP, publish_events
@@ -213,6 +220,25 @@ def _load_payload(version: ModelVersion, *, served_model_name: str) -> dict[str,
     }
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class CommandOrder:
+    """One command to send: to which agent, what, and why (`agent_commands_send`)."""
+
+    agent_name: str
+    kind: str
+    version_id: int | None = None
+    served_model_name: str = ""
+    latency_ms_per_token: float | None = None
+    error_rate: float | None = None
+    reason: str = ""
+
+
+@dataclasses.dataclass(slots=True)
+class CommandsSent:
+    commands: list[AgentCommand]  # in the orders' order, refused ones left out
+    refused: list[tuple[CommandOrder, DomainError]]  # with why, in the orders' order
+
+
 def agent_command_send(
     *,
     actor: Actor,
@@ -225,42 +251,178 @@ def agent_command_send(
     reason: str = "",
     redis_client: redis.Redis | None = None,
 ) -> AgentCommand:
-    """Record, audit and send one command to an agent's stream, in one transaction.
+    """Record, audit and send one command to an agent's stream, in one transaction; the
+    DomainError when it is refused (`agent_commands_send`)."""
+    order = CommandOrder(
+        agent_name=agent_name,
+        kind=kind,
+        version_id=version_id,
+        served_model_name=served_model_name,
+        latency_ms_per_token=latency_ms_per_token,
+        error_rate=error_rate,
+        reason=reason,
+    )
+    sent = agent_commands_send(actor=actor, orders=[order], redis_client=redis_client)
+    if sent.refused:
+        raise sent.refused[0][1]
+    return sent.commands[0]
 
-    The stream entry is added last inside the transaction: if Redis refuses it nothing is
-    recorded (503); the agent answers on `agent:results`, which ingest applies.
-    `actor=None` is the control plane itself (the rollouts reconciler); views always
-    pass the requesting user.
+
+def agent_commands_send(
+    *,
+    actor: Actor,
+    orders: Sequence[CommandOrder],
+    redis_client: redis.Redis | None = None,
+) -> CommandsSent:
+    """Record, audit and send commands to agents' streams, all in one transaction: one
+    statement for each step whatever their number (a reconcile pass sends a deployment's
+    loads together).
+
+    An order the fleet refuses (an unknown command, agent or version, a lost agent, a
+    version that cannot be loaded, bad fault settings) comes back with its error and the
+    others are sent. The stream entries are added inside the transaction, together
+    (MULTI/EXEC), before the rows that name them: if Redis refuses them nothing is
+    recorded (Unavailable, 503). Each agent answers on `agent:results`, which ingest
+    applies. `actor=None` is the control plane
+    itself (the rollouts reconciler); views always pass the requesting user.
     """
-    is_system = actor is None
-    if not is_system and not access.can_command_agents(actor):
+    if actor is not None and not access.can_command_agents(actor):
         raise Forbidden("Only release managers and on-call engineers command agents.")
+    refused: dict[int, DomainError] = {}  # order index -> why
+    version_ids = {o.version_id for o in orders if o.version_id is not None}
+    versions = {
+        version.pk: version
+        for version in ModelVersion.objects.select_related("model", "artifact", "signing_key")
+        .filter(pk__in=version_ids)
+        .order_by()
+    }
+    wires: dict[int, tuple[Command, dict[str, Any]]] = {}  # order index -> (sent, recorded payload)
+    for index, order in enumerate(orders):
+        try:
+            payload = _command_payload(order, versions)
+        except DomainError as exc:
+            refused[index] = exc
+            continue
+        wire = new_command(WireCommandKind(order.kind), payload, ttl_s=settings.FLEET_COMMAND_TTL_S)
+        sent_payload = payload
+        if order.kind == CommandKind.LOAD:
+            # Only the stream entry carries the engine's secrets; the recorded payload, which
+            # the API shows, does not (they are derived again from the command id when needed).
+            secrets = engine_secrets_payload(
+                agent_name=order.agent_name, command_id=wire.command_id
+            )
+            sent_payload = {**payload, **secrets}
+        # Signed last: the signature covers the payload as sent, and only this agent's name.
+        wire = command_sign(
+            dataclasses.replace(wire, payload=sent_payload), agent_name=order.agent_name
+        )
+        wires[index] = (wire, payload)
+    client = redis_client or make_redis_client()
+    commands: list[AgentCommand] = []
+    try:
+        with transaction.atomic():
+            names = {orders[index].agent_name for index in wires}
+            agents = {
+                agent.name: agent
+                for agent in Agent.objects.select_for_update()
+                .filter(name__in=names)
+                .order_by("pk")  # one order for every sender's locks: no deadlock
+            }
+            audit_events = []
+            sending: list[tuple[Agent, Command]] = []
+            for index, (wire, payload) in wires.items():
+                order = orders[index]
+                agent = agents.get(order.agent_name)
+                if agent is None:
+                    refused[index] = NotFound("No such agent.")
+                    continue
+                if agent.state == AgentState.LOST:
+                    refused[index] = Conflict(
+                        "agent_lost", f"Agent {agent.name} is lost; it cannot be commanded."
+                    )
+                    continue
+                version = versions.get(order.version_id) if order.version_id else None
+                commands.append(
+                    AgentCommand(
+                        command_id=wire.command_id,
+                        agent=agent,
+                        kind=order.kind,
+                        payload=payload,
+                        version=version,
+                        reason=order.reason,
+                        issued_by=acting_user(actor),
+                    )
+                )
+                audit_events.append(
+                    audit_event_new(
+                        actor=actor,
+                        action=f"agent.command.{order.kind}",
+                        object_type="agent",
+                        object_id=agent.name,
+                        object_repr=agent.name,
+                        before=agent.snapshot(),
+                        after={
+                            "command_id": wire.command_id,
+                            "kind": order.kind,
+                            "version_id": version.pk if version else None,
+                            **({"faults": payload} if order.kind == CommandKind.FAULTS else {}),
+                        },
+                        reason=order.reason,
+                    )
+                )
+                sending.append((agent, wire))
+            if commands:
+                # The agents' rows are locked: ingest applies no result of these commands
+                # before the commit makes them visible.
+                entries = client.pipeline(transaction=True)
+                for agent, wire in sending:
+                    entries.xadd(
+                        commands_stream(agent.name),
+                        wire.to_fields(),  # type: ignore[arg-type]
+                        maxlen=COMMANDS_MAXLEN,
+                        approximate=True,
+                    )
+                for command, entry_id in zip(commands, entries.execute(), strict=True):
+                    command.stream_entry_id = (
+                        entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                    )
+                AgentCommand.objects.bulk_create(commands)
+                audit_events_record(audit_events)
+    except redis.RedisError as exc:
+        raise Unavailable("redis_unavailable", f"The command could not be queued: {exc}") from exc
+    finally:
+        if redis_client is None:
+            client.close()
+    events = [("agent.command", command_event_payload(command)) for command in commands]
+    if events:
+        transaction.on_commit(lambda: fleet_events_publish(events))
+    return CommandsSent(
+        commands=commands,
+        refused=[(orders[index], refused[index]) for index in sorted(refused)],
+    )
+
+
+def _command_payload(order: CommandOrder, versions: dict[int, ModelVersion]) -> dict[str, Any]:
+    """The payload recorded for `order`; DomainError when it cannot be sent."""
+    kind = order.kind
     if kind not in CommandKind.values:
         raise DomainError("invalid", f"Unknown command {kind!r}.", fields={"kind": [kind]})
-    client = redis_client or make_redis_client()
-    version: ModelVersion | None = None
-    payload: dict[str, Any] = {}
     if kind == CommandKind.LOAD:
-        if version_id is None:
+        if order.version_id is None:
             raise DomainError("invalid", "A load names a version.", fields={"version_id": []})
-        version = (
-            ModelVersion.objects.select_related("model", "artifact", "signing_key")
-            .filter(pk=version_id)
-            .first()
-        )
+        version = versions.get(order.version_id)
         if version is None:
             raise NotFound("No such version.")
-        payload = _load_payload(version, served_model_name=served_model_name)
-    elif kind == CommandKind.DRAIN and version_id is not None:
+        return _load_payload(version, served_model_name=order.served_model_name)
+    if kind == CommandKind.DRAIN and order.version_id is not None:
         # Drain only if the agent still serves this version (it refuses otherwise): a
         # sender working from a stale heartbeat cannot drain a version just loaded.
-        version = ModelVersion.objects.filter(pk=version_id).first()
-        if version is None:
+        if order.version_id not in versions:
             raise NotFound("No such version.")
-        payload = {"version_id": version.pk}
-    elif kind == CommandKind.FAULTS:
-        latency = 0.0 if latency_ms_per_token is None else float(latency_ms_per_token)
-        rate = 0.0 if error_rate is None else float(error_rate)
+        return {"version_id": order.version_id}
+    if kind == CommandKind.FAULTS:
+        latency = 0.0 if order.latency_ms_per_token is None else float(order.latency_ms_per_token)
+        rate = 0.0 if order.error_rate is None else float(order.error_rate)
         problems: dict[str, list[str]] = {}
         if not 0 <= latency <= 60_000:
             problems["latency_ms_per_token"] = ["Must be between 0 and 60000."]
@@ -268,62 +430,8 @@ def agent_command_send(
             problems["error_rate"] = ["Must be between 0 and 1."]
         if problems:
             raise DomainError("invalid", "The fault settings are not valid.", fields=problems)
-        payload = {"latency_ms_per_token": latency, "error_rate": rate}
-    wire = new_command(WireCommandKind(kind), payload, ttl_s=settings.FLEET_COMMAND_TTL_S)
-    if kind == CommandKind.LOAD:
-        # Only the stream entry carries the engine's secrets; the recorded payload, which the
-        # API shows, does not (they are derived again from the command id when needed).
-        secrets = engine_secrets_payload(agent_name=agent_name, command_id=wire.command_id)
-        wire = dataclasses.replace(wire, payload={**payload, **secrets})
-    # Signed last: the signature covers the payload as sent, and only this agent's name.
-    wire = command_sign(wire, agent_name=agent_name)
-    try:
-        with transaction.atomic():
-            agent = Agent.objects.select_for_update().filter(name=agent_name).first()
-            if agent is None:
-                raise NotFound("No such agent.")
-            if agent.state == AgentState.LOST:
-                raise Conflict("agent_lost", f"Agent {agent.name} is lost; it cannot be commanded.")
-            command = AgentCommand.objects.create(
-                command_id=wire.command_id,
-                agent=agent,
-                kind=kind,
-                payload=payload,
-                version=version,
-                reason=reason,
-                issued_by=acting_user(actor),
-            )
-            audit_event_record(
-                actor=actor,
-                action=f"agent.command.{kind}",
-                object_type="agent",
-                object_id=agent.name,
-                object_repr=agent.name,
-                before=agent.snapshot(),
-                after={
-                    "command_id": command.command_id,
-                    "kind": kind,
-                    "version_id": version.pk if version else None,
-                    **({"faults": payload} if kind == CommandKind.FAULTS else {}),
-                },
-                reason=reason,
-            )
-            entry_id = client.xadd(
-                commands_stream(agent.name),
-                wire.to_fields(),  # type: ignore[arg-type]
-                maxlen=COMMANDS_MAXLEN,
-                approximate=True,
-            )
-            command.stream_entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-            command.save(update_fields=["stream_entry_id"])
-    except redis.RedisError as exc:
-        raise Unavailable("redis_unavailable", f"The command could not be queued: {exc}") from exc
-    finally:
-        if redis_client is None:
-            client.close()
-    event = command_event_payload(command)
-    transaction.on_commit(lambda: fleet_event_publish("agent.command", event))
-    return command
+        return {"latency_ms_per_token": latency, "error_rate": rate}
+    return {}
 
 
 def command_event_payload(command: AgentCommand) -> dict[str, Any]:

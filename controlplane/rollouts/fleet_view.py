@@ -12,16 +12,18 @@ from django.db.models import Max
 from django.utils import timezone
 
 from controlplane.fleet.engine_secrets import serving_loads, serving_secrets
-from controlplane.fleet.models import Agent, AgentState
+from controlplane.fleet.models import Agent, AgentCommand, AgentState, CommandKind, CommandStatus
 from controlplane.registry.models import DEPLOYABLE_STATUSES, ModelVersion, VersionStatus
 from controlplane.rollouts.models import Deployment, DeploymentRevision
+from controlplane.rollouts.placement import AgentMemory
 
 
 class FleetView:
     """What every deployment's pass reads alike, read once for a pass over many: the
     agents, the load serving on each and its secret, the versions needed, those kept warm,
-    footprints. Commands are not in it: each deployment's pass reads those afresh, so it
-    sees the loads and drains sent before it (by this pass or another process).
+    footprints, the loads that failed lately. The commands in flight are not in it: each
+    deployment's pass reads those afresh, so it sees the loads and drains sent before it
+    (by this pass or another process).
 
     A deployment's pass leaves the agents as read (what it changes on them while placing
     is put back); one that changes desired routing (a rollout ended) drops the view, and
@@ -45,6 +47,8 @@ class FleetView:
         self._footprints: dict[int, Any] = {}
         self._alive: list[Agent] | None = None
         self._alive_ids: set[int] = set()
+        self._agent_memory: AgentMemory | None = None
+        self._failed_loads: set[tuple[int, int]] | None = None
         # The ids of the agents whose replicas stay (reconciler's converge step).
         self.kept: set[int] | None = None
         self._deployment_names: dict[int, str] | None = None
@@ -90,6 +94,12 @@ class FleetView:
             ]
             self._alive_ids = {agent.pk for agent in self._alive}
         return self._alive, self._alive_ids
+
+    def agent_memory(self, alive: list[Agent]) -> AgentMemory:
+        """The memory of the `alive` agents (as `alive` gives them), read once."""
+        if self._agent_memory is None:
+            self._agent_memory = AgentMemory.of(alive)
+        return self._agent_memory
 
     def loaded_with(self, version_id: int | None) -> list[Agent]:
         """The agents that had `version_id` loaded when read (in the order of `agents`):
@@ -139,6 +149,22 @@ class FleetView:
         if self._warm is None:
             self._warm = _warm_versions(self.needed, self)
         return self._warm
+
+    def failed_loads(self) -> set[tuple[int, int]]:
+        """(agent id, version id) whose load failed lately: another spare agent is tried
+        first (the same engine failing on the same agent would fail again, and hold the
+        replica back). Read when a pass first places a replica."""
+        if self._failed_loads is None:
+            since = timezone.now() - timedelta(seconds=settings.ROLLOUTS_LOAD_FAILED_AVOID_S)
+            failed = AgentCommand.objects.filter(
+                kind=CommandKind.LOAD,
+                status__in=(CommandStatus.FAILED, CommandStatus.REJECTED),
+                finished_at__gte=since,
+            ).values_list("agent_id", "version_id")
+            self._failed_loads = {
+                (agent_id, version_id) for agent_id, version_id in failed if version_id is not None
+            }
+        return self._failed_loads
 
     def footprints(self, version_ids: set[int]) -> dict[int, Any]:
         """Version id -> stored footprint (None: unknown, or no such version)."""

@@ -45,6 +45,31 @@ class Unplaced:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class AgentMemory:
+    """What each agent offers, its device's memory and the agents sharing that device:
+    fixed while a pass runs, so a pass over many deployments reads it once."""
+
+    offered: dict[int, int]  # agent id -> bytes it offers its engines
+    total: dict[int, int]  # agent id -> bytes of its device
+    device: dict[int, str]  # agent id -> device key
+    on_device: dict[str, list[int]]  # device key -> the ids of the agents on it
+
+    @classmethod
+    def of(cls, agents: Iterable[Agent]) -> AgentMemory:
+        memory = cls(offered={}, total={}, device={}, on_device={})
+        for agent in agents:
+            memory.add(agent)
+        return memory
+
+    def add(self, agent: Agent) -> None:
+        device = device_key(host=agent.host, inventory=agent.inventory)
+        self.offered[agent.id] = memory_offered(agent.inventory)
+        self.total[agent.id] = memory_total(agent.inventory)
+        self.device[agent.id] = device
+        self.on_device.setdefault(device, []).append(agent.id)
+
+
 class Placement:
     """The fleet's memory as one reconcile pass sees it: what each agent's engines need
     (its loaded version, and loads sent to it and not finished), and what each device has."""
@@ -55,39 +80,34 @@ class Placement:
         agents: Iterable[Agent],
         footprints: Mapping[int, Any],
         engines: Mapping[int, set[int]],
+        memory: AgentMemory | None = None,
     ) -> None:
-        """`footprints`: version id -> stored footprint; `engines`: agent pk -> the version
-        ids its engines serve or are loading."""
+        """`footprints`: version id -> stored footprint; `engines`: agent id -> the version
+        ids its engines serve or are loading; `memory`: the agents' (read from `agents`
+        when not given)."""
         self._footprints = footprints
-        self._agents = list(agents)
-        self._engines = {agent.pk: set(engines.get(agent.pk, set())) for agent in self._agents}
-        # Each agent's device, and the agents on each, read once: a pass asks for the room
-        # of every spare agent for every replica it places.
-        self._device = {
-            agent.pk: device_key(host=agent.host, inventory=agent.inventory)
-            for agent in self._agents
-        }
-        self._on_device: dict[str, list[Agent]] = {}
-        for agent in self._agents:
-            self._on_device.setdefault(self._device[agent.pk], []).append(agent)
+        self._engines = {agent_id: set(versions) for agent_id, versions in engines.items()}
+        self._memory = memory if memory is not None else AgentMemory.of(agents)
 
     def need(self, version_id: int | None) -> int:
         return (footprint_total(self._footprints.get(version_id)) or 0) if version_id else 0
 
-    def _agent_need(self, agent: Agent) -> int:
-        return sum(self.need(version_id) for version_id in self._engines.get(agent.pk, ()))
-
-    def _device_need(self, agent: Agent) -> int:
-        device = self._device.get(agent.pk) or device_key(
-            host=agent.host, inventory=agent.inventory
-        )
-        return sum(self._agent_need(other) for other in self._on_device.get(device, ()))
+    def _agent_need(self, agent_id: int) -> int:
+        return sum(self.need(version_id) for version_id in self._engines.get(agent_id, ()))
 
     def _room(self, agent: Agent) -> int:
         """What a new engine on `agent` may take, beside the engines there now."""
-        own = memory_offered(agent.inventory) - self._agent_need(agent)
-        device = memory_total(agent.inventory) - self._device_need(agent)
+        memory = self._memory
+        if agent.id not in memory.device:  # not among the agents it was made for
+            memory.add(agent)
+        sharing = memory.on_device[memory.device[agent.id]]
+        own = memory.offered[agent.id] - self._agent_need(agent.id)
+        device = memory.total[agent.id] - sum(self._agent_need(other) for other in sharing)
         return min(own, device)
+
+    def _offered(self, agent: Agent) -> int:
+        offered = self._memory.offered.get(agent.id)
+        return memory_offered(agent.inventory) if offered is None else offered
 
     def choose(self, version_id: int, spare: list[Agent]) -> tuple[Agent | None, Unplaced | None]:
         """The spare agent to load `version_id` on, or why none will do."""
@@ -99,12 +119,12 @@ class Placement:
             return spare[0], None
         # The least offer first (a stable sort: among equal offers, the first spare one);
         # the first that fits is the one, without reckoning the room of the rest.
-        for chosen in sorted(spare, key=lambda agent: memory_offered(agent.inventory)):
+        for chosen in sorted(spare, key=self._offered):
             if self._room(chosen) >= needed:
-                self._engines.setdefault(chosen.pk, set()).add(version_id)
+                self._engines.setdefault(chosen.id, set()).add(version_id)
                 return chosen, None
         largest = max(spare, key=lambda agent: (self._room(agent), agent.name))
-        offer, room = memory_offered(largest.inventory), max(self._room(largest), 0)
+        offer, room = self._offered(largest), max(self._room(largest), 0)
         message = (
             f"version {version_id} needs {footprint_describe(footprint)}; "
             f"largest spare agent {largest.name} offers {gib(offer)}"

@@ -36,8 +36,10 @@ from contracts.routing import ROLE_SHADOW, VersionRoute
 from controlplane.core.errors import DomainError
 from controlplane.core.events import publishing_batched
 from controlplane.core.redis_clients import redis_client
+from controlplane.fleet import services as fleet_services
 from controlplane.fleet.endpoint_checks import endpoints_verify
 from controlplane.fleet.models import Agent, AgentCommand, AgentState, CommandKind, CommandStatus
+from controlplane.fleet.services import CommandOrder
 from controlplane.registry.models import ModelVersion, VersionStatus
 from controlplane.registry.serving import context_length
 from controlplane.rollouts import decisions
@@ -351,13 +353,18 @@ def _placement(
     engines: dict[int, set[int]] = {}
     for agent in alive:
         if agent.loaded_version_id is not None:
-            engines.setdefault(agent.pk, set()).add(agent.loaded_version_id)
+            engines.setdefault(agent.id, set()).add(agent.loaded_version_id)
     for agent_id, kind, version_id in in_flight_commands:
         if kind == CommandKind.LOAD and version_id is not None:
             engines.setdefault(agent_id, set()).add(version_id)
     version_ids = {version_id for ids in engines.values() for version_id in ids}
     version_ids |= set(view.needed)
-    return Placement(agents=alive, footprints=view.footprints(version_ids), engines=engines)
+    return Placement(
+        agents=alive,
+        footprints=view.footprints(version_ids),
+        engines=engines,
+        memory=view.agent_memory(alive),
+    )
 
 
 class _LazyPlacement:
@@ -407,14 +414,12 @@ def _converge_agents(
 ) -> None:
     """Load each needed version on as many agents as its replicas (hosts spread first);
     drain agents whose version nobody needs, and replicas beyond the count."""
-    from controlplane.fleet import services as fleet_services
-
     needed, warm = view.needed, view.warm
 
     alive, alive_ids = view.alive(fresh_after)
 
     def is_alive(agent: Agent) -> bool:
-        return agent.pk in alive_ids
+        return agent.id in alive_ids  # `id`, not `pk`: a property, slow over a fleet
 
     # An agent's version as read, not as this pass changes it below: an agent given a load
     # here is LOADING, neither a replica of its old version nor a ready one of the new.
@@ -468,15 +473,14 @@ def _converge_agents(
         loading.setdefault(loaded_id, set()).add(loaded_on)
 
     def busy(agent: Agent) -> bool:
-        return agent.pk in in_flight or agent.state in {AgentState.LOADING, AgentState.WARMING}
-
-    failed_loads: set[tuple[int, int]] | None = None  # read when a replica is placed
+        return agent.id in in_flight or agent.state in {AgentState.LOADING, AgentState.WARMING}
 
     placement = _LazyPlacement(alive, in_flight_commands, view)
     # Agents given a load by this pass, as read: they are put back as the view holds them
     # (the database has them so until their agents report).
     taken: list[tuple[Agent, int | None, str]] = []
     unplaced: list[Unplaced] = []
+    loads: list[CommandOrder] = []  # sent together once every version is placed
     for version_id in desired.get("preload_version_ids") or []:
         if version_id not in needed:  # revoked
             continue
@@ -486,18 +490,20 @@ def _converge_agents(
             if a.loaded_version_id == version_id and a.state != AgentState.DRAINING
         } | loading.get(version_id, set())
         hosts = _hosts_of([a for a in view.with_ids(replicas) if is_alive(a)], replicas)
+        if len(replicas) >= needed[version_id]:
+            continue
+        # Placing a replica changes no other agent: the one chosen leaves the spare ones.
+        spare = [
+            a
+            for a in alive
+            if not busy(a)
+            and a.id not in replicas
+            and (a.state == AgentState.IDLE or (a.loaded_version_id not in needed))
+            and a.state != AgentState.DRAINING
+        ]
         while len(replicas) < needed[version_id]:
-            spare = [
-                a
-                for a in alive
-                if not busy(a)
-                and a.pk not in replicas
-                and (a.state == AgentState.IDLE or (a.loaded_version_id not in needed))
-                and a.state != AgentState.DRAINING
-            ]
-            if failed_loads is None:
-                failed_loads = _failed_loads()
-            untried = [a for a in spare if (a.pk, version_id) not in failed_loads]
+            failed_loads = view.failed_loads()
+            untried = [a for a in spare if (a.id, version_id) not in failed_loads]
             agent, why = _choose_spread(placement, version_id, untried, warm, hosts)
             if agent is None and len(untried) < len(spare):
                 agent, why = _choose_spread(placement, version_id, spare, warm, hosts)
@@ -506,10 +512,10 @@ def _converge_agents(
                     unplaced.append(why)
                 break
             reason = f"reconcile {deployment.name} revision {deployment.routing_revision}"
-            if not _load_send(deployment, agent, version_id, reason, report, client):
-                break
-            in_flight.add(agent.pk)
-            replicas.add(agent.pk)
+            loads.append(_load_order(deployment, agent, version_id, reason))
+            in_flight.add(agent.id)
+            replicas.add(agent.id)
+            spare = [a for a in spare if a is not agent]  # `remove` compares models: slow
             hosts[agent.host] = hosts.get(agent.host, 0) + 1
             taken.append((agent, agent.loaded_version_id, agent.state))
             agent.loaded_version_id = version_id  # not spare for the next version of this pass
@@ -526,7 +532,10 @@ def _converge_agents(
             for a in alive_with(previous_id)
         )
     ):
-        _warm_load(deployment, previous_id, alive, busy, placement, report, client)
+        warm_load = _warm_load(deployment, previous_id, alive, busy, placement)
+        if warm_load is not None:
+            loads.append(warm_load)
+    _loads_send(loads, report, client)
 
     grace = settings.ROLLOUTS_DRAIN_GRACE_S
     retirable = [
@@ -576,18 +585,6 @@ def _converge_agents(
         agent.loaded_version_id, agent.state = loaded_version_id, state
 
 
-def _failed_loads() -> set[tuple[int, int]]:
-    """(agent, version) whose load failed lately: another spare agent is tried first (the
-    same engine failing on the same agent would fail again, and hold the replica back)."""
-    since = timezone.now() - timedelta(seconds=settings.ROLLOUTS_LOAD_FAILED_AVOID_S)
-    failed = AgentCommand.objects.filter(
-        kind=CommandKind.LOAD,
-        status__in=(CommandStatus.FAILED, CommandStatus.REJECTED),
-        finished_at__gte=since,
-    ).values_list("agent_id", "version_id")
-    return {(agent_id, version_id) for agent_id, version_id in failed if version_id is not None}
-
-
 def _hosts_of(alive: Sequence[Agent], agent_ids: set[int]) -> dict[str, int]:
     """How many of `agent_ids` run on each host."""
     hosts: dict[str, int] = {}
@@ -624,45 +621,47 @@ def _warm_load(
     alive: list[Agent],
     busy: Any,
     placement: Placement | _LazyPlacement,
-    report: ReconcileReport,
-    client: redis.Redis,
-) -> None:
-    """Load the previous stable version on an idle agent whose memory holds it. An agent
-    still holding a version nobody needs is drained first (a revoked one must stop at
-    once, not after a load)."""
+) -> CommandOrder | None:
+    """A load of the previous stable version on an idle agent whose memory holds it; None
+    when nothing fits (it is simply not warm)."""
     spare = [a for a in alive if not busy(a) and a.state == AgentState.IDLE]
-    agent, _ = placement.choose(version_id, spare)  # nothing fits: it is simply not warm
-    if agent is not None:
-        reason = f"keep {deployment.name}'s previous stable version warm"
-        _load_send(deployment, agent, version_id, reason, report, client)
+    agent, _ = placement.choose(version_id, spare)
+    if agent is None:
+        return None
+    return _load_order(
+        deployment, agent, version_id, f"keep {deployment.name}'s previous stable version warm"
+    )
 
 
-def _load_send(
-    deployment: Deployment,
-    agent: Agent,
-    version_id: int,
-    reason: str,
-    report: ReconcileReport,
-    client: redis.Redis,
-) -> bool:
-    """Send `agent` a load of `version_id` on the pass's Redis connection; False (logged)
-    when the fleet refuses it."""
-    from controlplane.fleet import services as fleet_services
+def _load_order(deployment: Deployment, agent: Agent, version_id: int, reason: str) -> CommandOrder:
+    return CommandOrder(
+        agent_name=agent.name,
+        kind=CommandKind.LOAD,
+        version_id=version_id,
+        # The name tenants send: the routing table's model, which the engine checks every
+        # request against.
+        served_model_name=deployment.stable_version.model.name,
+        reason=reason,
+    )
 
+
+def _loads_send(loads: list[CommandOrder], report: ReconcileReport, client: redis.Redis) -> None:
+    """Send a deployment's loads together, on the pass's Redis connection; those the fleet
+    refuses are logged (the next pass places their replicas again)."""
+    if not loads:
+        return
     try:
-        fleet_services.agent_command_send(
-            actor=None,
-            agent_name=agent.name,
-            kind=CommandKind.LOAD,
-            version_id=version_id,
-            # The name tenants send: the routing table's model, which the engine checks
-            # every request against.
-            served_model_name=deployment.stable_version.model.name,
-            reason=reason,
-            redis_client=client,
-        )
+        sent = fleet_services.agent_commands_send(actor=None, orders=loads, redis_client=client)
     except DomainError as exc:
-        logger.warning("load not sent", extra={"agent": agent.name, "error": exc.message})
-        return False
-    report.loads.append((agent.name, version_id))
-    return True
+        logger.warning(
+            "loads not sent",
+            extra={"agents": [order.agent_name for order in loads], "error": exc.message},
+        )
+        return
+    for order, why in sent.refused:
+        logger.warning("load not sent", extra={"agent": order.agent_name, "error": why.message})
+    report.loads.extend(
+        (command.agent.name, command.version_id)
+        for command in sent.commands
+        if command.version_id is not None  # a load names its version
+    )
