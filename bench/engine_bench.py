@@ -9,7 +9,8 @@
    CPU without native bf16, HF in float32 on the bf16 weights: see reference_dtype;
    on CUDA the faster of static batches of 64 and 256, on the same requests).
 2. Single-stream decode tokens/s divided by the memory roofline of the dtype
-   (bytes of weights / measured read bandwidth); llama.cpp too where installed.
+   (bytes of weights / measured read bandwidth); llama.cpp too where installed (here or
+   in the llama.cpp backend's environment).
 3. Time to first token at 1 and 32 concurrent requests, against the engine's own
    prefill time for the same prompts measured in-process in the same run.
 4. Kernel ceilings, so that 1 and 2 read against what this machine allows: the
@@ -307,9 +308,9 @@ def measure(options: Options) -> dict[str, Any]:
     if vllm is not None:
         print_vllm(options, vllm, engine_rate, reference, serving, ttft_one, ttft_group)
 
-    cpp = llama_cpp_decode(options)
+    cpp, cpp_skipped = llama_cpp_decode(options)
     if cpp is None:
-        print("llama.cpp: llama-cpp-python not installed, skipped")
+        print(f"llama.cpp: skipped, {cpp_skipped}")
     else:
         print(f"llama.cpp decode: {cpp:.1f} tok/s; RATIO engine/llama.cpp = "
               f"{local.decode_rate / cpp:.2f}")  # fmt: skip
@@ -367,7 +368,7 @@ def measure(options: Options) -> dict[str, Any]:
             "reference": "llama-cpp-python, same thread count",
             "reference_value": cpp,
             "target": "reported",
-            **({"skipped": "llama-cpp-python not installed"} if cpp is None else {}),
+            **({"skipped": cpp_skipped} if cpp is None else {}),
         },
         {
             "name": f"TTFT, 1 request ({options.ttft_prompt}-token prompt, HTTP streaming)",

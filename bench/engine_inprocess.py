@@ -4,7 +4,10 @@ the memory roofline, prefill time, and the kernel ceilings of this machine."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -276,15 +279,36 @@ def in_process(options: Options) -> InProcessResult:
     )
 
 
-def llama_cpp_decode(options: Options) -> float | None:
-    if importlib.util.find_spec("llama_cpp") is None:
-        return None
-    import llama_cpp
+# Run by llama-cpp-python's own environment: argv model path, threads, tokens, prompt.
+LLAMA_CPP_DECODE = """
+import json, sys, time
+import llama_cpp
+path, threads, tokens, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+llm = llama_cpp.Llama(path, n_threads=threads, verbose=False)
+llm("Hello", max_tokens=4)
+no_eos = {llm.token_eos(): -1000.0}  # every token decoded, as the engine's ignore_eos
+started = time.perf_counter()
+out = llm(prompt, max_tokens=tokens, temperature=0, logit_bias=no_eos)
+print(json.dumps(out["usage"]["completion_tokens"] / (time.perf_counter() - started)))
+"""
 
+
+def llama_cpp_decode(options: Options) -> tuple[float | None, str]:
+    """llama.cpp's single-stream decode of the same GGUF, same threads: in this process
+    where llama-cpp-python is installed, else in the environment the llama.cpp backend
+    runs in (scripts/ensure_engine_env.sh llama.cpp); (None, why) where neither is."""
+    from agent.engines.llamacpp import llama_cpp_env_is_built, llama_cpp_python
     from engine.loader import smollm2_path
 
-    llm = llama_cpp.Llama(str(smollm2_path()), n_threads=options.threads, verbose=False)
-    llm("Hello", max_tokens=4)
-    started = time.perf_counter()
-    out = llm(DECODE_PROMPT, max_tokens=options.decode_tokens, temperature=0)
-    return int(out["usage"]["completion_tokens"]) / (time.perf_counter() - started)
+    arguments = [str(smollm2_path()), str(options.threads), str(options.decode_tokens)]
+    if importlib.util.find_spec("llama_cpp") is not None:
+        command = [sys.executable, "-c", LLAMA_CPP_DECODE, *arguments, DECODE_PROMPT]
+    elif llama_cpp_env_is_built():
+        command = [llama_cpp_python(), "-c", LLAMA_CPP_DECODE, *arguments, DECODE_PROMPT]
+    else:
+        return None, "llama-cpp-python not installed (make engine-envs builds its environment)"
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    done = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
+    if done.returncode != 0:
+        return None, f"llama.cpp decode failed: {done.stderr.strip().splitlines()[-1:]}"
+    return float(done.stdout.strip().splitlines()[-1]), ""
