@@ -283,8 +283,8 @@ def agent_commands_send(
     others are sent. The stream entries are added inside the transaction, together
     (MULTI/EXEC), before the rows that name them: if Redis refuses them nothing is
     recorded (Unavailable, 503). Each agent answers on `agent:results`, which ingest
-    applies. `actor=None` is the control plane
-    itself (the rollouts reconciler); views always pass the requesting user.
+    applies. `actor=None` is the control plane itself (the rollouts reconciler); views
+    always pass the requesting user.
     """
     if actor is not None and not access.can_command_agents(actor):
         raise Forbidden("Only release managers and on-call engineers command agents.")

@@ -59,15 +59,12 @@ class AgentMemory:
     def of(cls, agents: Iterable[Agent]) -> AgentMemory:
         memory = cls(offered={}, total={}, device={}, on_device={})
         for agent in agents:
-            memory.add(agent)
+            device = device_key(host=agent.host, inventory=agent.inventory)
+            memory.offered[agent.id] = memory_offered(agent.inventory)
+            memory.total[agent.id] = memory_total(agent.inventory)
+            memory.device[agent.id] = device
+            memory.on_device.setdefault(device, []).append(agent.id)
         return memory
-
-    def add(self, agent: Agent) -> None:
-        device = device_key(host=agent.host, inventory=agent.inventory)
-        self.offered[agent.id] = memory_offered(agent.inventory)
-        self.total[agent.id] = memory_total(agent.inventory)
-        self.device[agent.id] = device
-        self.on_device.setdefault(device, []).append(agent.id)
 
 
 class Placement:
@@ -98,12 +95,15 @@ class Placement:
     def _room(self, agent: Agent) -> int:
         """What a new engine on `agent` may take, beside the engines there now."""
         memory = self._memory
-        if agent.id not in memory.device:  # not among the agents it was made for
-            memory.add(agent)
-        sharing = memory.on_device[memory.device[agent.id]]
-        own = memory.offered[agent.id] - self._agent_need(agent.id)
-        device = memory.total[agent.id] - sum(self._agent_need(other) for other in sharing)
-        return min(own, device)
+        if agent.id in memory.device:
+            offered, total = memory.offered[agent.id], memory.total[agent.id]
+            sharing = memory.on_device[memory.device[agent.id]]
+        else:  # not among the agents it was made for
+            offered, total = memory_offered(agent.inventory), memory_total(agent.inventory)
+            device = device_key(host=agent.host, inventory=agent.inventory)
+            sharing = [*memory.on_device.get(device, []), agent.id]
+        own = offered - self._agent_need(agent.id)
+        return min(own, total - sum(self._agent_need(other) for other in sharing))
 
     def _offered(self, agent: Agent) -> int:
         offered = self._memory.offered.get(agent.id)

@@ -623,7 +623,9 @@ def _warm_load(
     placement: Placement | _LazyPlacement,
 ) -> CommandOrder | None:
     """A load of the previous stable version on an idle agent whose memory holds it; None
-    when nothing fits (it is simply not warm)."""
+    when nothing fits (it is simply not warm). Only an idle one: an agent still holding a
+    version nobody needs is drained first (a revoked one must stop at once, not after a
+    load)."""
     spare = [a for a in alive if not busy(a) and a.state == AgentState.IDLE]
     agent, _ = placement.choose(version_id, spare)
     if agent is None:
