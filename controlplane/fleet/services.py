@@ -326,7 +326,7 @@ def agent_commands_send(
                 agent.name: agent
                 for agent in Agent.objects.select_for_update()
                 .filter(name__in=names)
-                .order_by("pk")  # one order for every sender's locks: no deadlock
+                .order_by("id")  # the order ingest and heartbeats lock agents in: no deadlock
             }
             audit_events = []
             sending: list[tuple[Agent, Command]] = []
