@@ -85,7 +85,7 @@ def _group_send_all(messages: Sequence[tuple[str, dict[str, Any]]]) -> None:
 
     async def send_all() -> None:
         # Each group in order; the groups side by side (a send is two round trips or more).
-        await asyncio.gather(*(send_group(group, held) for group, held in by_group.items()))
+        await asyncio.gather(*(send_group(group, sent) for group, sent in by_group.items()))
 
     try:
         async_to_sync(send_all)()

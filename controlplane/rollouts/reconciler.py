@@ -501,8 +501,8 @@ def _converge_agents(
             and (a.state == AgentState.IDLE or (a.loaded_version_id not in needed))
             and a.state != AgentState.DRAINING
         ]
+        failed_loads = view.failed_loads()
         while len(replicas) < needed[version_id]:
-            failed_loads = view.failed_loads()
             untried = [a for a in spare if (a.id, version_id) not in failed_loads]
             agent, why = _choose_spread(placement, version_id, untried, warm, hosts)
             if agent is None and len(untried) < len(spare):
