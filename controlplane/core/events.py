@@ -44,6 +44,11 @@ def user_live_group(user_id: int) -> str:
     return f"live.user.{user_id}"
 
 
+# The layer message carrying events (a consumer's `live_events`): a list, so that a group
+# gets many events in one send, each a few Redis round trips.
+EVENTS_MESSAGE = "live.events"
+EVENTS_PER_MESSAGE = 100
+
 _batches = threading.local()  # publishing_batched: this thread's messages held back
 
 
@@ -75,9 +80,7 @@ def _group_send_all(messages: Sequence[tuple[str, dict[str, Any]]]) -> None:
     if layer is None or not messages:
         return
 
-    by_group: dict[str, list[dict[str, Any]]] = {}
-    for group, message in messages:
-        by_group.setdefault(group, []).append(message)
+    by_group = _by_group(messages)
 
     async def send_group(group: str, group_messages: list[dict[str, Any]]) -> None:
         for message in group_messages:
@@ -100,15 +103,35 @@ def _group_send_all(messages: Sequence[tuple[str, dict[str, Any]]]) -> None:
         )
 
 
+def _by_group(messages: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """Each group's messages in order, a group's consecutive events merged into messages
+    of up to EVENTS_PER_MESSAGE (a reconcile pass publishes hundreds)."""
+    by_group: dict[str, list[dict[str, Any]]] = {}
+    for group, message in messages:
+        sent = by_group.setdefault(group, [])
+        last = sent[-1] if sent else None
+        if (
+            message["type"] == EVENTS_MESSAGE
+            and last is not None
+            and last["type"] == EVENTS_MESSAGE
+            and len(last["events"]) + len(message["events"]) <= EVENTS_PER_MESSAGE
+        ):
+            sent[-1] = {"type": EVENTS_MESSAGE, "events": last["events"] + message["events"]}
+        else:
+            sent.append(message)
+    return by_group
+
+
 def publish_events(groups: Iterable[str], events: Sequence[tuple[str, dict[str, Any]]]) -> None:
     """Send each (event, payload) to each group."""
     groups = list(groups)
+    listed = [{"event": event, "payload": payload} for event, payload in events]
+    chunks = [
+        listed[start : start + EVENTS_PER_MESSAGE]
+        for start in range(0, len(listed), EVENTS_PER_MESSAGE)
+    ]
     _group_send_all(
-        [
-            (group, {"type": "live.event", "event": event, "payload": payload})
-            for event, payload in events
-            for group in groups
-        ]
+        [(group, {"type": EVENTS_MESSAGE, "events": chunk}) for chunk in chunks for group in groups]
     )
 
 

@@ -110,10 +110,12 @@ class LiveUpdatesConsumer(AsyncJsonWebsocketConsumer):
         if isinstance(content, dict) and content.get("type") == "ping":
             await self.send_json({"type": "pong"})
 
-    async def live_event(self, message: dict[str, Any]) -> None:
-        if self.is_signed_out:
-            return
-        await self.send_json({"type": message["event"], "payload": message["payload"]})
+    async def live_events(self, message: dict[str, Any]) -> None:
+        """Each event of the message to the browser, in order (core.events.EVENTS_MESSAGE)."""
+        for event in message["events"]:
+            if self.is_signed_out:
+                return
+            await self.send_json({"type": event["event"], "payload": event["payload"]})
 
     async def live_access_changed(self, message: dict[str, Any]) -> None:
         """Follow the user: regroup, or close when the session signs no one in."""

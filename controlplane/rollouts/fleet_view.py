@@ -22,8 +22,9 @@ class FleetView:
     """What every deployment's pass reads alike, read once for a pass over many: the
     agents, the load serving on each and its secret, the versions needed, those kept warm,
     footprints, the loads that failed lately. The commands in flight are not in it: each
-    deployment's pass reads those afresh, so it sees the loads and drains sent before it
-    (by this pass or another process).
+    batch of deployments reads those afresh once it holds their locks
+    (`reconcile_reads.InFlight`), so it sees the loads and drains sent before it (by this
+    pass or another process).
 
     A deployment's pass leaves the agents as read (what it changes on them while placing
     is put back); one that changes desired routing (a rollout ended) drops the view, and
@@ -49,7 +50,7 @@ class FleetView:
         self._alive_ids: set[int] = set()
         self._agent_memory: AgentMemory | None = None
         self._failed_loads: set[tuple[int, int]] | None = None
-        # The ids of the agents whose replicas stay (reconciler's converge step).
+        # The ids of the agents whose replicas stay (the reconciler's retirement step).
         self.kept: set[int] | None = None
         self._deployment_names: dict[int, str] | None = None
         # The retirement marks of kept agents removed: once for all the deployments.

@@ -16,7 +16,7 @@ before footprints. When none fits, the reason names the figures.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,26 +105,39 @@ class Placement:
         own = offered - self._agent_need(agent.id)
         return min(own, total - sum(self._agent_need(other) for other in sharing))
 
-    def _offered(self, agent: Agent) -> int:
+    def offered(self, agent: Agent) -> int:
+        """The bytes `agent` offers its engines."""
         offered = self._memory.offered.get(agent.id)
         return memory_offered(agent.inventory) if offered is None else offered
 
-    def choose(self, version_id: int, spare: list[Agent]) -> tuple[Agent | None, Unplaced | None]:
-        """The spare agent to load `version_id` on, or why none will do."""
+    def choose(
+        self,
+        version_id: int,
+        spare: list[Agent],
+        *,
+        preference: Callable[[Agent], tuple[Any, ...]] | None = None,
+    ) -> tuple[Agent | None, Unplaced | None]:
+        """The spare agent to load `version_id` on, or why none will do: of those it fits,
+        the first by `preference` (a key: lowest first), then the one that offers least (a
+        stable sort: among equals, the first spare one). The first that fits is the one,
+        without reckoning the room of the rest. A version whose footprint is unknown goes
+        to the first spare agent by `preference`."""
         if not spare:
             return None, None
         footprint = self._footprints.get(version_id)
         needed = footprint_total(footprint)
         if needed is None or footprint is None:
-            return spare[0], None
-        # The least offer first (a stable sort: among equal offers, the first spare one);
-        # the first that fits is the one, without reckoning the room of the rest.
-        for chosen in sorted(spare, key=self._offered):
+            return (spare[0] if preference is None else min(spare, key=preference)), None
+        if preference is None:
+            ordered = sorted(spare, key=self.offered)
+        else:
+            ordered = sorted(spare, key=lambda agent: (*preference(agent), self.offered(agent)))
+        for chosen in ordered:
             if self._room(chosen) >= needed:
                 self._engines.setdefault(chosen.id, set()).add(version_id)
                 return chosen, None
         largest = max(spare, key=lambda agent: (self._room(agent), agent.name))
-        offer, room = self._offered(largest), max(self._room(largest), 0)
+        offer, room = self.offered(largest), max(self._room(largest), 0)
         message = (
             f"version {version_id} needs {footprint_describe(footprint)}; "
             f"largest spare agent {largest.name} offers {gib(offer)}"

@@ -3,7 +3,10 @@
 Level-triggered: every pass reads the database as it is now and repairs whatever differs
 (a crash between a transition's commit and its routing write, a lost command, an agent
 that went away), so running it twice, or after any half-done step, is safe. Passes for
-one deployment are serialized by a Redis lock. The table routes only to ready agents:
+one deployment are serialized by a Redis lock. A pass over the fleet takes deployments
+RECONCILE_BATCH at a time: their locks, then their rows read together, each deployment's
+routing published and its replicas placed, the batch's loads sent together, and the
+fleet's surplus agents drained once. The table routes only to ready agents:
 state ready, loaded version matching, seen within ROLLOUTS_AGENT_FRESH_S, with a load
 of that version accepted or succeeded (each endpoint's serving secret derives from the
 latest), at an endpoint the agent registered whose engine proved it holds that load's
@@ -28,7 +31,6 @@ from typing import Any
 
 import redis
 from django.conf import settings
-from django.db.models import Q
 from django.utils import timezone
 
 from contracts import tracing
@@ -38,25 +40,31 @@ from controlplane.core.events import publishing_batched
 from controlplane.core.redis_clients import redis_client
 from controlplane.fleet import services as fleet_services
 from controlplane.fleet.endpoint_checks import endpoints_verify
-from controlplane.fleet.models import Agent, AgentCommand, AgentState, CommandKind, CommandStatus
+from controlplane.fleet.models import Agent, AgentState, CommandKind
 from controlplane.fleet.services import CommandOrder
-from controlplane.registry.models import ModelVersion, VersionStatus
-from controlplane.registry.serving import context_length
 from controlplane.rollouts import decisions
 from controlplane.rollouts.fleet_view import FleetView
 from controlplane.rollouts.models import (
-    ACTIVE_STATES,
     Deployment,
     DesiredRouting,
     Rollout,
     RolloutState,
 )
 from controlplane.rollouts.placement import Placement, Unplaced
+from controlplane.rollouts.reconcile_reads import (
+    InFlight,
+    VersionRow,
+    deployments_read,
+    revoked_candidates,
+    versions_read,
+)
 from controlplane.rollouts.routing import routing_table_publish
 
 logger = logging.getLogger(__name__)
 
-IN_FLIGHT_COMMANDS = (CommandStatus.PENDING, CommandStatus.ACCEPTED)
+# Deployments locked, read and sent for together in a pass over many: fewer statements, and
+# locks held no longer than a few deployments' passes.
+RECONCILE_BATCH = 20
 
 
 @dataclass(slots=True)
@@ -83,29 +91,28 @@ def _is_serving(agent: Agent, version_id: int | None, fresh_after: Any) -> bool:
     )
 
 
-@tracing.traced(__name__, "rollouts.reconcile")
+_BUSY_STATES = frozenset({AgentState.LOADING, AgentState.WARMING})
+
+
+def _is_busy(agent: Agent, in_flight: InFlight) -> bool:
+    return agent.id in in_flight.agents or agent.state in _BUSY_STATES
+
+
 def reconcile_deployment(
     *, deployment_id: int, client: redis.Redis | None = None, view: FleetView | None = None
 ) -> ReconcileReport:
     """One pass for one deployment; `view`: the fleet as read for a pass over many (one
-    read afresh when not given)."""
-    report = _reconcile_locked(deployment_id, client, view or FleetView())
-    tracing.span_attributes_set(
-        deployment=report.deployment,
-        routing_revision=report.revision,
-        weights=",".join(f"{version}:{weight}" for version, weight in report.weights.items()),
-        loads=len(report.loads),
-        drains=len(report.drains),
-        rolled_back=report.rolled_back,
-        skipped=report.skipped or None,
-    )
-    return report
+    read afresh when not given). Raises what the pass raised."""
+    outcome = _reconcile_batch([deployment_id], client, view or FleetView())[0]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
 
 
 def reconcile_deployments(
     *, deployment_ids: Sequence[int], client: redis.Redis | None = None
 ) -> list[ReconcileReport]:
-    """A pass over many deployments, one after another, reading the fleet once
+    """A pass over many deployments, RECONCILE_BATCH at a time, reading the fleet once
     (`FleetView`). A deployment whose pass fails is logged; the others still run. Live
     events go out together at the end of the pass."""
     own_client = client is None
@@ -114,69 +121,150 @@ def reconcile_deployments(
     reports = []
     try:
         with publishing_batched():
-            for deployment_id in deployment_ids:
-                try:
-                    reports.append(
-                        reconcile_deployment(deployment_id=deployment_id, client=client, view=view)
-                    )
-                except Exception:
-                    logger.exception("reconcile failed", extra={"deployment_id": deployment_id})
-                    view.invalidate()
+            for start in range(0, len(deployment_ids), RECONCILE_BATCH):
+                batch = deployment_ids[start : start + RECONCILE_BATCH]
+                for deployment_id, outcome in zip(
+                    batch, _reconcile_batch(batch, client, view), strict=True
+                ):
+                    if isinstance(outcome, Exception):
+                        logger.error(
+                            "reconcile failed",
+                            exc_info=outcome,
+                            extra={"deployment_id": deployment_id},
+                        )
+                    else:
+                        reports.append(outcome)
     finally:
         if own_client:
             client.close()
     return reports
 
 
-def _reconcile_locked(
-    deployment_id: int, client: redis.Redis | None, view: FleetView
-) -> ReconcileReport:
+def _reconcile_batch(
+    deployment_ids: Sequence[int], client: redis.Redis | None, view: FleetView
+) -> list[ReconcileReport | Exception]:
+    """The passes of a few deployments, each report or what its pass raised (in the order
+    of `deployment_ids`). Their locks are held from before their rows are read until their
+    loads are sent, so that no other pass places their replicas meanwhile."""
     own_client = client is None
     client = client or redis_client(decode_responses=True)
+    outcomes: dict[int, ReconcileReport | Exception] = {}
+    locks = []
     try:
-        name = view.deployment_name(deployment_id)
-        if name is None:
-            return ReconcileReport(deployment=str(deployment_id), revision=0, skipped="gone")
-        lock = client.lock(
-            f"rollouts:reconcile:{name}",
-            timeout=settings.ROLLOUTS_RECONCILE_LOCK_S,
-            blocking_timeout=settings.ROLLOUTS_RECONCILE_LOCK_S,
-        )
-        if not lock.acquire():
-            return ReconcileReport(
-                deployment=name, revision=0, skipped="another pass holds the lock"
+        held = []
+        # Taken in one order by every pass, so that no two passes wait on each other.
+        for deployment_id in sorted(set(deployment_ids)):
+            name = view.deployment_name(deployment_id)
+            if name is None:
+                outcomes[deployment_id] = _skipped(str(deployment_id), "gone")
+                continue
+            lock = client.lock(
+                f"rollouts:reconcile:{name}",
+                timeout=settings.ROLLOUTS_RECONCILE_LOCK_S,
+                blocking_timeout=settings.ROLLOUTS_RECONCILE_LOCK_S,
             )
-        try:
-            return _reconcile(deployment_id, client, view)
-        finally:
+            if not lock.acquire():
+                outcomes[deployment_id] = _skipped(name, "another pass holds the lock")
+                continue
+            locks.append(lock)
+            held.append(deployment_id)
+        if held:
+            outcomes.update(_reconcile_held(held, client, view))
+    finally:
+        for lock in locks:
             try:
                 lock.release()
             except redis.exceptions.LockError:
                 logger.warning("reconcile lock expired before release")
-    finally:
         if own_client:
             client.close()
+    return [outcomes[deployment_id] for deployment_id in deployment_ids]
 
 
-def _reconcile(deployment_id: int, client: redis.Redis, view: FleetView) -> ReconcileReport:
-    # A revoked candidate's rollout ends before anything is routed (its canary weight goes).
-    revoked_candidates = set(
-        Rollout.objects.filter(
-            deployment_id=deployment_id,
-            state__in=ACTIVE_STATES,
-            candidate__status=VersionStatus.REVOKED,
-        ).values_list("candidate_id", flat=True)
-    )
-    for version_id in revoked_candidates:
-        decisions.rollouts_stop_for_revoked_candidate(version_id=version_id)
-    if revoked_candidates:
-        view.invalidate()  # the versions needed changed
-    # Re-read inside the lock: the newest committed desired routing wins.
-    deployment = (
-        Deployment.objects.select_related("stable_version__model").filter(pk=deployment_id).first()
-    )
-    if deployment is None:
-        return ReconcileReport(deployment=str(deployment_id), revision=0, skipped="gone")
+def _skipped(deployment: str, why: str) -> ReconcileReport:
+    return ReconcileReport(deployment=deployment, revision=0, skipped=why)
+
+
+def _reconcile_held(
+    deployment_ids: list[int], client: redis.Redis, view: FleetView
+) -> dict[int, ReconcileReport | Exception]:
+    """The passes of deployments whose locks are held: their rows read together (inside
+    the locks: the newest committed desired routing wins), each pass run, then the loads
+    they decided sent together."""
+    try:
+        # A revoked candidate's rollout ends before anything is routed (its canary weight goes).
+        revoked = revoked_candidates(deployment_ids)
+        for version_id in revoked:
+            decisions.rollouts_stop_for_revoked_candidate(version_id=version_id)
+        if revoked:
+            view.invalidate()  # the versions needed changed
+        deployments = deployments_read(deployment_ids)
+        in_flight = InFlight.read()
+        versions = versions_read(
+            {
+                version_id
+                for deployment in deployments.values()
+                for version_id in _routable_ids(deployment, view)
+            }
+        )
+    except Exception as exc:
+        return dict.fromkeys(deployment_ids, exc)
+    outcomes: dict[int, ReconcileReport | Exception] = {}
+    loads: list[tuple[ReconcileReport, CommandOrder]] = []
+    applied: dict[int, list[int]] = {}  # routing revision -> the deployments now at it
+    for deployment_id in deployment_ids:
+        deployment = deployments.get(deployment_id)
+        if deployment is None:
+            outcomes[deployment_id] = _skipped(str(deployment_id), "gone")
+            continue
+        try:
+            report, placed = _reconcile(deployment, versions, in_flight, client, view)
+        except Exception as exc:
+            outcomes[deployment_id] = exc
+            view.invalidate()
+            continue
+        outcomes[deployment_id] = report
+        loads.extend((report, order) for order in placed)
+        if deployment.applied_revision < deployment.routing_revision:  # its table is published
+            applied.setdefault(deployment.routing_revision, []).append(deployment.pk)
+    reports = [outcome for outcome in outcomes.values() if isinstance(outcome, ReconcileReport)]
+    try:
+        _loads_send(loads, client)
+        for revision, applied_ids in applied.items():
+            Deployment.objects.filter(pk__in=applied_ids, applied_revision__lt=revision).update(
+                applied_revision=revision
+            )
+        # The fleet's look, once for the batch: its drains in the batch's first report.
+        drains = _agents_retire(view, in_flight, client)
+        if reports:
+            reports[0].drains.extend(drains)
+    except Exception as exc:
+        return dict.fromkeys(deployment_ids, exc)
+    return outcomes
+
+
+def _routable_ids(deployment: Deployment, view: FleetView) -> list[int]:
+    """The versions the deployment's routing may name: stable, canary, previous stable."""
+    desired = deployment.desired_routing
+    stable_id = desired.get("stable_version_id") or deployment.stable_version_id
+    candidates = [
+        stable_id,
+        desired.get("canary_version_id"),
+        view.previous_stable(deployment.pk, stable_id),
+    ]
+    return [version_id for version_id in dict.fromkeys(candidates) if version_id is not None]
+
+
+@tracing.traced(__name__, "rollouts.reconcile")
+def _reconcile(
+    deployment: Deployment,
+    version_rows: dict[int, VersionRow],
+    in_flight: InFlight,
+    client: redis.Redis,
+    view: FleetView,
+) -> tuple[ReconcileReport, list[CommandOrder]]:
+    """One deployment's pass, its lock held and its rows read: its routing table published,
+    its loads chosen and returned (the batch sends them with its others)."""
     desired: DesiredRouting = deployment.desired_routing
     report = ReconcileReport(deployment=deployment.name, revision=deployment.routing_revision)
     now = timezone.now()
@@ -188,7 +276,7 @@ def _reconcile(deployment_id: int, client: redis.Redis, view: FleetView) -> Reco
     tenants = desired.get("canary_tenants") or []
     is_shadow = bool(desired.get("canary_shadow", False))  # absent in rows from before
     loads, secrets = view.loads, view.secrets
-    routable = [v for v in dict.fromkeys([stable_id, canary_id, previous_id]) if v is not None]
+    routable = _routable_ids(deployment, view)
     serving = [
         a
         for version_id in routable
@@ -247,12 +335,13 @@ def _reconcile(deployment_id: int, client: redis.Redis, view: FleetView) -> Reco
     canary_endpoints = ready_endpoints(canary_id) if canary_id is not None else []
     effective = weight if canary_endpoints else 0
     shared = 0 if tenants or is_shadow else effective  # the canary's answering weight
-    version_rows = ModelVersion.objects.filter(
-        pk__in=[stable_id, canary_id or 0, previous_id or 0]
-    ).values_list("pk", "label", "serving_config", "status")
-    labels = {pk: label for pk, label, _, _ in version_rows}
-    context_lengths = {pk: context_length(config) for pk, _, config, _ in version_rows}
-    revoked = {pk for pk, _, _, status in version_rows if status == VersionStatus.REVOKED}
+    missing = set(routable) - set(version_rows)  # a version the batch's read did not foresee
+    if missing:
+        version_rows.update(versions_read(missing))
+    rows = {pk: version_rows[pk] for pk in routable if pk in version_rows}
+    labels = {pk: row.label for pk, row in rows.items()}
+    context_lengths = {pk: row.context_length for pk, row in rows.items()}
+    revoked = {pk for pk, row in rows.items() if row.is_revoked}
     if canary_id in revoked:  # its rollout could not be ended this pass: no weight anyway
         canary_endpoints, effective, shared = [], 0, 0
     # Handover: a stable version with no ready agent yet (just restored by an undo, or its
@@ -323,17 +412,20 @@ def _reconcile(deployment_id: int, client: redis.Redis, view: FleetView) -> Reco
     )
     report.weights = {v.version_id: v.weight for v in versions}
     report.endpoints = {v.version_id: list(v.endpoints) for v in versions}
-    if deployment.applied_revision < deployment.routing_revision:  # else nothing to write
-        Deployment.objects.filter(
-            pk=deployment.pk, applied_revision__lt=deployment.routing_revision
-        ).update(applied_revision=deployment.routing_revision)
 
     try:
-        _converge_agents(deployment, desired, view, fresh_after, client, report)
+        placed = _replicas_place(deployment, desired, view, fresh_after, in_flight, report)
     finally:
         if view_changed:
             view.invalidate()
-    return report
+    tracing.span_attributes_set(
+        deployment=report.deployment,
+        routing_revision=report.revision,
+        weights=",".join(f"{version}:{weight}" for version, weight in report.weights.items()),
+        loads=len(placed),
+        rolled_back=report.rolled_back,
+    )
+    return report, placed
 
 
 def kept_replicas(agents: Sequence[Agent], version_id: int, count: int) -> list[Agent]:
@@ -380,10 +472,10 @@ class _LazyPlacement:
         self._arguments = (alive, in_flight_commands, view)
         self._placement: Placement | None = None
 
-    def choose(self, version_id: int, spare: list[Agent]) -> tuple[Agent | None, Unplaced | None]:
+    def get(self) -> Placement:
         if self._placement is None:
             self._placement = _placement(*self._arguments)
-        return self._placement.choose(version_id, spare)
+        return self._placement
 
 
 def _unplaced_record(deployment: Deployment, unplaced: list[Unplaced]) -> None:
@@ -404,16 +496,17 @@ def _unplaced_record(deployment: Deployment, unplaced: list[Unplaced]) -> None:
         logger.info("every version placed", extra={"deployment": deployment.name})
 
 
-def _converge_agents(
+def _replicas_place(
     deployment: Deployment,
     desired: DesiredRouting,
     view: FleetView,
     fresh_after: Any,
-    client: redis.Redis,
+    in_flight: InFlight,
     report: ReconcileReport,
-) -> None:
-    """Load each needed version on as many agents as its replicas (hosts spread first);
-    drain agents whose version nobody needs, and replicas beyond the count."""
+) -> list[CommandOrder]:
+    """Choose agents to load each needed version on, as many as its replicas (hosts spread
+    first), and one to keep the previous stable version warm: the loads, to be sent (each
+    added to `in_flight`)."""
     needed, warm = view.needed, view.warm
 
     alive, alive_ids = view.alive(fresh_after)
@@ -426,56 +519,12 @@ def _converge_agents(
     def alive_with(version_id: int) -> list[Agent]:
         return [a for a in view.loaded_with(version_id) if is_alive(a)]
 
-    # Each version's replicas that stay; an agent serving a version beyond them is retired.
-    # Read before this deployment places anything (the agents as read): the same for every
-    # deployment of the pass.
-    if view.kept is None:
-        view.kept = {
-            agent.pk
-            for version_id in {*needed, *warm}
-            for agent in kept_replicas(
-                alive_with(version_id), version_id, needed.get(version_id, 1)
-            )
-        }
-    kept = view.kept
-
-    # The commands that matter, read afresh for each deployment (one query): those under
-    # way, and those finished within the freshness window.
-    now = timezone.now()
-    wait_after = now - timedelta(seconds=settings.ROLLOUTS_COMMAND_WAIT_S)
-    finished_after = now - timedelta(seconds=settings.ROLLOUTS_AGENT_FRESH_S)
-    recent_commands = AgentCommand.objects.filter(
-        Q(status__in=IN_FLIGHT_COMMANDS, created_at__gte=wait_after)
-        | Q(finished_at__gte=finished_after)
-    ).values_list("agent_id", "kind", "version_id", "status", "created_at", "finished_at")
-    in_flight_commands: list[tuple[int, str, int | None]] = []
-    just_loaded: list[tuple[int, int]] = []  # (version id, agent id)
-    settling: set[int] = set()
-    for agent_id, kind, version, status, created_at, finished_at in recent_commands:
-        if status in IN_FLIGHT_COMMANDS and created_at >= wait_after:
-            in_flight_commands.append((agent_id, kind, version))
-        if finished_at is not None and finished_at >= finished_after:
-            # An agent whose command finished within the freshness window may still be
-            # described by a heartbeat sent before it: no drain is decided from that row
-            # (and every drain names the version it means, which the agent checks).
-            settling.add(agent_id)
-            if kind == CommandKind.LOAD and status == CommandStatus.SUCCEEDED:
-                just_loaded.append((version, agent_id))  # a load names its version
-    in_flight = {agent_id for agent_id, _, _ in in_flight_commands}
-    # The agents taking each version: loads under way, and loads that just succeeded (a
-    # load's result can reach the database before the agent's heartbeat naming the new
-    # version does). Loading a version twice would take an agent another version needs.
-    loading: dict[int, set[int]] = {}
-    for agent_id, kind, version_id in in_flight_commands:
-        if kind == CommandKind.LOAD and version_id is not None:
-            loading.setdefault(version_id, set()).add(agent_id)
-    for loaded_id, loaded_on in just_loaded:
-        loading.setdefault(loaded_id, set()).add(loaded_on)
+    loading = in_flight.loading
 
     def busy(agent: Agent) -> bool:
-        return agent.id in in_flight or agent.state in {AgentState.LOADING, AgentState.WARMING}
+        return _is_busy(agent, in_flight)
 
-    placement = _LazyPlacement(alive, in_flight_commands, view)
+    placement = _LazyPlacement(alive, in_flight.commands, view)
     # Agents given a load by this pass, as read: they are put back as the view holds them
     # (the database has them so until their agents report).
     taken: list[tuple[Agent, int | None, str]] = []
@@ -504,16 +553,16 @@ def _converge_agents(
         failed_loads = view.failed_loads()
         while len(replicas) < needed[version_id]:
             untried = [a for a in spare if (a.id, version_id) not in failed_loads]
-            agent, why = _choose_spread(placement, version_id, untried, warm, hosts)
+            agent, why = _choose_spread(placement.get(), version_id, untried, warm, hosts)
             if agent is None and len(untried) < len(spare):
-                agent, why = _choose_spread(placement, version_id, spare, warm, hosts)
+                agent, why = _choose_spread(placement.get(), version_id, spare, warm, hosts)
             if agent is None:
                 if why is not None:
                     unplaced.append(why)
                 break
             reason = f"reconcile {deployment.name} revision {deployment.routing_revision}"
             loads.append(_load_order(deployment, agent, version_id, reason))
-            in_flight.add(agent.id)
+            in_flight.command_added(agent.id, CommandKind.LOAD, version_id)
             replicas.add(agent.id)
             spare = [a for a in spare if a is not agent]  # `remove` compares models: slow
             hosts[agent.host] = hosts.get(agent.host, 0) + 1
@@ -532,11 +581,44 @@ def _converge_agents(
             for a in alive_with(previous_id)
         )
     ):
-        warm_load = _warm_load(deployment, previous_id, alive, busy, placement)
-        if warm_load is not None:
-            loads.append(warm_load)
-    _loads_send(loads, report, client)
+        agent = _warm_agent(previous_id, alive, busy, placement.get())
+        if agent is not None:
+            reason = f"keep {deployment.name}'s previous stable version warm"
+            loads.append(_load_order(deployment, agent, previous_id, reason))
+            in_flight.command_added(agent.id, CommandKind.LOAD, previous_id)
 
+    for agent, loaded_version_id, state in taken:
+        agent.loaded_version_id, agent.state = loaded_version_id, state
+    return loads
+
+
+def _agents_retire(view: FleetView, in_flight: InFlight, client: redis.Redis) -> list[str]:
+    """Drain agents whose version nobody needs, and replicas beyond the count, once the
+    gateways have dropped them: the agents drained. The whole fleet's look, once a batch."""
+    needed, warm = view.needed, view.warm
+    fresh_after = timezone.now() - timedelta(seconds=settings.ROLLOUTS_AGENT_FRESH_S)
+    _, alive_ids = view.alive(fresh_after)
+
+    def is_alive(agent: Agent) -> bool:
+        return agent.id in alive_ids  # `id`, not `pk`: a property, slow over a fleet
+
+    def busy(agent: Agent) -> bool:
+        return _is_busy(agent, in_flight)
+
+    # Each version's replicas that stay; an agent serving a version beyond them is retired.
+    # The agents as read: the same for every batch of the pass.
+    if view.kept is None:
+        view.kept = {
+            agent.pk
+            for version_id in {*needed, *warm}
+            for agent in kept_replicas(
+                [a for a in view.loaded_with(version_id) if is_alive(a)],
+                version_id,
+                needed.get(version_id, 1),
+            )
+        }
+    kept = view.kept
+    drained: list[str] = []
     grace = settings.ROLLOUTS_DRAIN_GRACE_S
     retirable = [
         agent
@@ -545,10 +627,10 @@ def _converge_agents(
         and agent.loaded_version_id is not None
         and is_alive(agent)
         and not busy(agent)
-        and agent.pk not in settling
+        and agent.pk not in in_flight.settling
     ]
     # A kept agent's retirement mark goes: one round trip for all the fleet's kept agents,
-    # in the pass of the view's first deployment (they are the same in every other).
+    # in the pass's first batch (they are the same in every other).
     unmark = client.pipeline(transaction=False)
     for agent in retirable:
         retire_key = f"rollouts:retire:{agent.name}:{agent.loaded_version_id}"
@@ -577,12 +659,12 @@ def _converge_agents(
                 else f"version {agent.loaded_version_id} is no longer routed",
                 redis_client=client,
             )
-            report.drains.append(agent.name)
+            drained.append(agent.name)
+            in_flight.command_added(agent.id, CommandKind.DRAIN, agent.loaded_version_id)
             client.delete(retire_key)
         except DomainError as exc:
             logger.warning("drain not sent", extra={"agent": agent.name, "error": exc.message})
-    for agent, loaded_version_id, state in taken:
-        agent.loaded_version_id, agent.state = loaded_version_id, state
+    return drained
 
 
 def _hosts_of(alive: Sequence[Agent], agent_ids: set[int]) -> dict[str, int]:
@@ -595,7 +677,7 @@ def _hosts_of(alive: Sequence[Agent], agent_ids: set[int]) -> dict[str, int]:
 
 
 def _choose_spread(
-    placement: Placement | _LazyPlacement,
+    placement: Placement,
     version_id: int,
     spare: list[Agent],
     warm: set[int],
@@ -604,35 +686,26 @@ def _choose_spread(
     """A spare agent for one more replica of `version_id` where it fits: on the hosts with
     fewest of its replicas first, and an agent keeping a previous stable version warm
     last. The reason, when none fits, is the one for every spare agent."""
-    cold = [a for a in spare if a.loaded_version_id not in warm]
-    for group in (cold, spare):
-        for count in sorted({hosts.get(a.host, 0) for a in group}):
-            agent, _ = placement.choose(
-                version_id, [a for a in group if hosts.get(a.host, 0) == count]
-            )
-            if agent is not None:
-                return agent, None
-    return placement.choose(version_id, spare)
+    return placement.choose(
+        version_id,
+        spare,
+        preference=lambda agent: (agent.loaded_version_id in warm, hosts.get(agent.host, 0)),
+    )
 
 
-def _warm_load(
-    deployment: Deployment,
+def _warm_agent(
     version_id: int,
     alive: list[Agent],
     busy: Any,
-    placement: Placement | _LazyPlacement,
-) -> CommandOrder | None:
-    """A load of the previous stable version on an idle agent whose memory holds it; None
+    placement: Placement,
+) -> Agent | None:
+    """An idle agent whose memory holds the previous stable version, to keep it warm; None
     when nothing fits (it is simply not warm). Only an idle one: an agent still holding a
     version nobody needs is drained first (a revoked one must stop at once, not after a
     load)."""
     spare = [a for a in alive if not busy(a) and a.state == AgentState.IDLE]
     agent, _ = placement.choose(version_id, spare)
-    if agent is None:
-        return None
-    return _load_order(
-        deployment, agent, version_id, f"keep {deployment.name}'s previous stable version warm"
-    )
+    return agent
 
 
 def _load_order(deployment: Deployment, agent: Agent, version_id: int, reason: str) -> CommandOrder:
@@ -647,23 +720,25 @@ def _load_order(deployment: Deployment, agent: Agent, version_id: int, reason: s
     )
 
 
-def _loads_send(loads: list[CommandOrder], report: ReconcileReport, client: redis.Redis) -> None:
-    """Send a deployment's loads together, on the pass's Redis connection; those the fleet
-    refuses are logged (the next pass places their replicas again)."""
+def _loads_send(loads: list[tuple[ReconcileReport, CommandOrder]], client: redis.Redis) -> None:
+    """Send a batch's loads together, on the pass's Redis connection, each in the report of
+    the deployment that decided it; those the fleet refuses are logged (the next pass
+    places their replicas again)."""
     if not loads:
         return
+    orders = [order for _, order in loads]
     try:
-        sent = fleet_services.agent_commands_send(actor=None, orders=loads, redis_client=client)
+        sent = fleet_services.agent_commands_send(actor=None, orders=orders, redis_client=client)
     except DomainError as exc:
         logger.warning(
             "loads not sent",
-            extra={"agents": [order.agent_name for order in loads], "error": exc.message},
+            extra={"agents": [order.agent_name for order in orders], "error": exc.message},
         )
         return
+    refused = {id(order) for order, _ in sent.refused}
     for order, why in sent.refused:
         logger.warning("load not sent", extra={"agent": order.agent_name, "error": why.message})
-    report.loads.extend(
-        (command.agent.name, command.version_id)
-        for command in sent.commands
-        if command.version_id is not None  # a load names its version
-    )
+    accepted = [report for report, order in loads if id(order) not in refused]
+    for report, command in zip(accepted, sent.commands, strict=True):
+        if command.version_id is not None:  # a load names its version
+            report.loads.append((command.agent.name, command.version_id))

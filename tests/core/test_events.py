@@ -34,3 +34,26 @@ def test_a_batch_sends_its_events_in_one_entry_at_its_end(redis_client, monkeypa
         assert len(entries) == 2
     finally:
         listener.close()
+
+
+def test_a_batch_of_many_events_reaches_a_group_in_few_messages_in_order(
+    redis_client, monkeypatch
+) -> None:
+    sends = []
+    layer = events.get_channel_layer()
+    real_send = layer.group_send
+
+    async def counted(group, message):
+        sends.append((group, len(message["events"])))
+        await real_send(group, message)
+
+    monkeypatch.setattr(layer, "group_send", counted)
+    listener = LiveGroupListener()
+    try:
+        with publishing_batched():
+            for n in range(250):
+                publish_event(FLEET_LIVE_GROUP, "agent.command", {"n": n})
+        assert [e["payload"]["n"] for e in listener.events()] == list(range(250))
+        assert sends == [(FLEET_LIVE_GROUP, 100), (FLEET_LIVE_GROUP, 100), (FLEET_LIVE_GROUP, 50)]
+    finally:
+        listener.close()

@@ -18,15 +18,22 @@ class LiveGroupListener:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
+        self.pending: list[dict] = []  # received, not yet returned
         self.layer = channel_layers.make_backend("default")
         self.channel = self.loop.run_until_complete(self.layer.new_channel())
         self.loop.run_until_complete(self.layer.group_add(FLEET_LIVE_GROUP, self.channel))
 
     def receive(self, timeout: float = 5.0) -> dict:
-        message = self.loop.run_until_complete(
-            asyncio.wait_for(self.layer.receive(self.channel), timeout)
-        )
-        return {"event": message["event"], "payload": message["payload"]}
+        """The next event (a layer message carries one or more)."""
+        if not self.pending:
+            message = self.loop.run_until_complete(
+                asyncio.wait_for(self.layer.receive(self.channel), timeout)
+            )
+            self.pending.extend(
+                {"event": event["event"], "payload": event["payload"]}
+                for event in message["events"]
+            )
+        return self.pending.pop(0)
 
     def events(self, timeout: float = 0.5) -> list[dict]:
         received = []
