@@ -128,10 +128,9 @@ class Placement:
         needed = footprint_total(footprint)
         if needed is None or footprint is None:
             return (spare[0] if preference is None else min(spare, key=preference)), None
-        if preference is None:
-            ordered = sorted(spare, key=self.offered)
-        else:
-            ordered = sorted(spare, key=lambda agent: (*preference(agent), self.offered(agent)))
+        ordered = sorted(spare, key=self.offered)
+        if preference is not None:
+            ordered.sort(key=preference)  # stable: the least offer first among equals
         for chosen in ordered:
             if self._room(chosen) >= needed:
                 self._engines.setdefault(chosen.id, set()).add(version_id)

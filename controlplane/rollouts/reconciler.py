@@ -545,17 +545,19 @@ def _replicas_place(
         spare = [
             a
             for a in alive
-            if not busy(a)
-            and a.id not in replicas
-            and (a.state == AgentState.IDLE or (a.loaded_version_id not in needed))
+            if a.id not in in_flight.agents  # not busy, nor draining
+            and a.state not in _BUSY_STATES
             and a.state != AgentState.DRAINING
+            and a.id not in replicas
+            and (a.state == AgentState.IDLE or a.loaded_version_id not in needed)
         ]
         failed_loads = view.failed_loads()
+        keeping_warm = {a.id for a in spare if a.loaded_version_id in warm}
         while len(replicas) < needed[version_id]:
             untried = [a for a in spare if (a.id, version_id) not in failed_loads]
-            agent, why = _choose_spread(placement.get(), version_id, untried, warm, hosts)
+            agent, why = _choose_spread(placement.get(), version_id, untried, keeping_warm, hosts)
             if agent is None and len(untried) < len(spare):
-                agent, why = _choose_spread(placement.get(), version_id, spare, warm, hosts)
+                agent, why = _choose_spread(placement.get(), version_id, spare, keeping_warm, hosts)
             if agent is None:
                 if why is not None:
                     unplaced.append(why)
@@ -680,16 +682,17 @@ def _choose_spread(
     placement: Placement,
     version_id: int,
     spare: list[Agent],
-    warm: set[int],
+    keeping_warm: set[int],
     hosts: Mapping[str, int],
 ) -> tuple[Agent | None, Unplaced | None]:
     """A spare agent for one more replica of `version_id` where it fits: on the hosts with
-    fewest of its replicas first, and an agent keeping a previous stable version warm
-    last. The reason, when none fits, is the one for every spare agent."""
+    fewest of its replicas first, and an agent keeping a previous stable version warm (its
+    id in `keeping_warm`) last. The reason, when none fits, is the one for every spare
+    agent."""
     return placement.choose(
         version_id,
         spare,
-        preference=lambda agent: (agent.loaded_version_id in warm, hosts.get(agent.host, 0)),
+        preference=lambda agent: (agent.id in keeping_warm, hosts.get(agent.host, 0)),
     )
 
 
