@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import base64
 import cProfile
+import gc
 import hashlib
 import os
 import pstats
@@ -345,6 +346,9 @@ def full_pass(
     from controlplane.rollouts.reconciler import reconcile_deployment, reconcile_deployments
 
     agents_seen_now()
+    # The garbage of the bench's own steps (building the fleet, placement alone) is
+    # collected first: otherwise its collection lands in the timed pass (about 0.15 s).
+    gc.collect()
     with counting_queries() as queries:
         if profiler is not None:
             profiler.enable()

@@ -34,7 +34,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from contracts import tracing
-from contracts.routing import ROLE_SHADOW, VersionRoute
+from contracts.routing import ROLE_SHADOW, RoutingTable, VersionRoute
 from controlplane.core.errors import DomainError
 from controlplane.core.events import publishing_batched
 from controlplane.core.redis_clients import redis_client
@@ -58,7 +58,7 @@ from controlplane.rollouts.reconcile_reads import (
     revoked_candidates,
     versions_read,
 )
-from controlplane.rollouts.routing import routing_table_publish
+from controlplane.rollouts.routing import routing_table_publish, routing_tables_read
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +200,7 @@ def _reconcile_held(
             view.invalidate()  # the versions needed changed
         deployments = deployments_read(deployment_ids)
         in_flight = InFlight.read()
+        published = routing_tables_read(client, [d.name for d in deployments.values()])
         versions = versions_read(
             {
                 version_id
@@ -218,7 +219,9 @@ def _reconcile_held(
             outcomes[deployment_id] = _skipped(str(deployment_id), "gone")
             continue
         try:
-            report, placed = _reconcile(deployment, versions, in_flight, client, view)
+            report, placed = _reconcile(
+                deployment, versions, in_flight, published.get(deployment.name), client, view
+            )
         except Exception as exc:
             outcomes[deployment_id] = exc
             view.invalidate()
@@ -260,11 +263,13 @@ def _reconcile(
     deployment: Deployment,
     version_rows: dict[int, VersionRow],
     in_flight: InFlight,
+    published: RoutingTable | None,
     client: redis.Redis,
     view: FleetView,
 ) -> tuple[ReconcileReport, list[CommandOrder]]:
-    """One deployment's pass, its lock held and its rows read: its routing table published,
-    its loads chosen and returned (the batch sends them with its others)."""
+    """One deployment's pass, its lock held and its rows read: its routing table published
+    (unless `published`, the one in Redis, says the same), its loads chosen and returned
+    (the batch sends them with its others)."""
     desired: DesiredRouting = deployment.desired_routing
     report = ReconcileReport(deployment=deployment.name, revision=deployment.routing_revision)
     now = timezone.now()
@@ -409,6 +414,7 @@ def _reconcile(
         model=deployment.stable_version.model.name,
         versions=versions,
         tenant_weights=tenant_weights,
+        published=published,
     )
     report.weights = {v.version_id: v.weight for v in versions}
     report.endpoints = {v.version_id: list(v.endpoints) for v in versions}

@@ -10,7 +10,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from contracts.commands import CommandKind, commands_stream, parse_command, parse_load_payload
-from contracts.routing import parse_routing_table, routing_key
+from contracts.routing import ROUTING_INDEX_KEY, parse_routing_table, routing_key
 from controlplane.core.errors import DomainError
 from controlplane.fleet.engine_secrets import engine_secrets_payload
 from controlplane.fleet.models import Agent, AgentCommand
@@ -116,9 +116,18 @@ def test_reconcile_repairs_a_lost_write_and_is_idempotent(
     for _ in range(2):
         reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
         assert weights(redis_client) == {versions[0].pk: (100, ("http://127.0.0.1:9000",))}
+    # The same table is not written again: gateways re-read only what changed.
     first = table(redis_client).generation
     reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
+    assert table(redis_client).generation == first
+    # A table dropped from the index, or changed behind the reconciler's back, is written.
+    redis_client.srem(ROUTING_INDEX_KEY, "smollm2")
+    reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
     assert table(redis_client).generation == first + 1
+    assert redis_client.sismember(ROUTING_INDEX_KEY, "smollm2")
+    redis_client.set(routing_key("smollm2"), "{}")
+    reconciler.reconcile_deployment(deployment_id=deployment.pk, client=redis_client)
+    assert weights(redis_client) == {versions[0].pk: (100, ("http://127.0.0.1:9000",))}
 
 
 def test_every_canary_agent_lost_rolls_back(deployment, versions, redis_client) -> None:
