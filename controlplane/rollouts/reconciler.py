@@ -22,6 +22,7 @@ version that was not warm switches once it is ready.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -201,13 +202,12 @@ def _reconcile_held(
         deployments = deployments_read(deployment_ids)
         in_flight = InFlight.read()
         published = routing_tables_read(client, [d.name for d in deployments.values()])
-        versions = versions_read(
-            {
-                version_id
-                for deployment in deployments.values()
-                for version_id in _routable_ids(deployment, view)
-            }
-        )
+        version_ids: set[int] = set()
+        for read in deployments.values():
+            # A malformed desired routing fails its own deployment's pass below, alone.
+            with contextlib.suppress(AttributeError, TypeError, ValueError):
+                version_ids.update(_routable_ids(read, view))
+        versions = versions_read(version_ids)
     except Exception as exc:
         return dict.fromkeys(deployment_ids, exc)
     outcomes: dict[int, ReconcileReport | Exception] = {}

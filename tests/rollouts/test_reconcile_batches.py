@@ -112,7 +112,7 @@ def test_a_deployment_whose_pass_fails_leaves_the_rest_of_its_batch(
     spares(3)
     broken = made[1]
     Deployment.objects.filter(pk=broken.pk).update(
-        desired_routing={**broken.desired_routing, "canary_weight": "not a number"}
+        desired_routing={**broken.desired_routing, "canary_version_id": ["not", "an", "id"]}
     )
     with caplog.at_level(logging.ERROR, logger="controlplane.rollouts.reconciler"):
         reports = reconciler.reconcile_deployments(
@@ -123,5 +123,5 @@ def test_a_deployment_whose_pass_fails_leaves_the_rest_of_its_batch(
     [failed] = [r for r in caplog.records if r.getMessage() == "reconcile failed"]
     assert failed.deployment_id == broken.pk
     assert failed.exc_info is not None
-    with pytest.raises(ValueError):
+    with pytest.raises(TypeError):
         reconciler.reconcile_deployment(deployment_id=broken.pk, client=redis_client)
