@@ -26,7 +26,8 @@ def deployments_of(count: int, signer: Signer) -> list[Deployment]:
     for index in range(count):
         model = Model.objects.create(name=f"model-{index}", task="chat")
         version = make_version(model, "v1", "abcdef0123456789"[index % 16])
-        version.signature = signer.sign(version.artifact_id, version.serving_config)
+        assert version.artifact is not None
+        version.signature = signer.sign(version.artifact.digest, version.serving_config)
         version.signing_key = key
         version.footprint = footprint(1)
         version.save()
