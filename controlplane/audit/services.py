@@ -1,5 +1,5 @@
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, NotRequired, TypeAlias, TypedDict, Unpack
 
 from django.contrib.auth.models import User
 
@@ -24,31 +24,34 @@ def acting_user(actor: Actor) -> User | None:
     return actor if isinstance(actor, User) and actor.is_authenticated else None
 
 
-def audit_event_new(
-    *,
-    actor: Actor,
-    action: str,
-    object_type: str,
-    object_id: str | int,
-    object_repr: str = "",
-    before: dict[str, Any] | None = None,
-    after: dict[str, Any] | None = None,
-    reason: str = "",
-    tenant_id: int | None = None,
-) -> AuditEvent:
+class AuditEventFields(TypedDict):
+    """What an audit event records (`audit_event_new`, `audit_event_record`)."""
+
+    actor: Actor
+    action: str
+    object_type: str
+    object_id: str | int
+    object_repr: NotRequired[str]
+    before: NotRequired[dict[str, Any] | None]
+    after: NotRequired[dict[str, Any] | None]
+    reason: NotRequired[str]
+    tenant_id: NotRequired[int | None]
+
+
+def audit_event_new(**fields: Unpack[AuditEventFields]) -> AuditEvent:
     """One audit event, not yet recorded (`audit_events_record` appends several at once)."""
-    user = acting_user(actor)
+    user = acting_user(fields["actor"])
     return AuditEvent(
         actor=user,
         actor_name=user.get_username() if user is not None else SYSTEM_ACTOR,
-        action=action,
-        object_type=object_type,
-        object_id=str(object_id),
-        object_repr=object_repr[:200],
-        before=before or {},
-        after=after or {},
-        reason=reason,
-        tenant_id=tenant_id,
+        action=fields["action"],
+        object_type=fields["object_type"],
+        object_id=str(fields["object_id"]),
+        object_repr=fields.get("object_repr", "")[:200],
+        before=fields.get("before") or {},
+        after=fields.get("after") or {},
+        reason=fields.get("reason", ""),
+        tenant_id=fields.get("tenant_id"),
     )
 
 
@@ -64,28 +67,6 @@ def audit_events_record(events: Sequence[AuditEvent]) -> list[AuditEvent]:
     return recorded
 
 
-def audit_event_record(
-    *,
-    actor: Actor,
-    action: str,
-    object_type: str,
-    object_id: str | int,
-    object_repr: str = "",
-    before: dict[str, Any] | None = None,
-    after: dict[str, Any] | None = None,
-    reason: str = "",
-    tenant_id: int | None = None,
-) -> AuditEvent:
+def audit_event_record(**fields: Unpack[AuditEventFields]) -> AuditEvent:
     """Append one audit event. Call it inside the transaction of the change it records."""
-    event = audit_event_new(
-        actor=actor,
-        action=action,
-        object_type=object_type,
-        object_id=object_id,
-        object_repr=object_repr,
-        before=before,
-        after=after,
-        reason=reason,
-        tenant_id=tenant_id,
-    )
-    return audit_events_record([event])[0]
+    return audit_events_record([audit_event_new(**fields)])[0]
