@@ -100,11 +100,11 @@ def _is_busy(agent: Agent, in_flight: InFlight) -> bool:
 
 
 def reconcile_deployment(
-    *, deployment_id: int, client: redis.Redis | None = None, view: FleetView | None = None
+    *, deployment_id: int, client: redis.Redis | None = None
 ) -> ReconcileReport:
-    """One pass for one deployment; `view`: the fleet as read for a pass over many (one
-    read afresh when not given). Raises what the pass raised."""
-    outcome = _reconcile_batch([deployment_id], client, view or FleetView())[0]
+    """One pass for one deployment (a batch of one, reading the fleet afresh); raises
+    what the pass raised."""
+    outcome = _reconcile_batch([deployment_id], client, FleetView())[0]
     if isinstance(outcome, Exception):
         raise outcome
     return outcome
