@@ -23,6 +23,20 @@ IS_EXPLORING = os.environ.get("FUZZ_RANDOM") == "1"
 hypothesis.settings.load_profile("explore" if IS_EXPLORING else "repeatable")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """An xdist worker computes on its share of the cores, and so do the processes it
+    starts (they inherit OMP_NUM_THREADS): two workers on two cores, each running torch on
+    two threads, stall at every parallel region waiting for a thread the other holds."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if not workers:
+        return
+    share = max(1, len(os.sched_getaffinity(0)) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(share)
+    import torch
+
+    torch.set_num_threads(share)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def redis_role_users() -> None:
     """The service roles' Redis users, as `manage.py redis_users` makes them (its own test

@@ -34,7 +34,7 @@ def smollm2_server(tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("logs") / "smollm2.log"
     server = start_server(
         ["--model", "smollm2", "--dtype", "float32", "--served-model-name", "smollm2",
-         "--threads", "2", "--max-model-len", "1024"],
+         "--max-model-len", "1024"],
         log,
     )  # fmt: skip
     yield server
@@ -85,7 +85,7 @@ def test_greedy_matches_transformers_on_the_gguf_weights(smollm2_server):
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_reduced_precision_still_answers_paris(dtype: str, tmp_path: Path):
     server = start_server(
-        ["--model", "smollm2", "--dtype", dtype, "--threads", "2", "--max-model-len", "512"],
+        ["--model", "smollm2", "--dtype", dtype, "--max-model-len", "512"],
         tmp_path / f"{dtype}.log",
     )
     try:

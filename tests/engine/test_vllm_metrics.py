@@ -23,7 +23,7 @@ def smollm2_server(tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("logs") / "smollm2-vllm-metrics.log"
     server = start_server(
         ["--model", "smollm2", "--dtype", "float32", "--served-model-name", "smollm2",
-         "--threads", "2", "--max-model-len", "1024"],
+         "--max-model-len", "1024"],
         log,
     )  # fmt: skip
     yield server
