@@ -293,10 +293,11 @@ print(json.dumps(out["usage"]["completion_tokens"] / (time.perf_counter() - star
 """
 
 
-def llama_cpp_decode(options: Options) -> tuple[float | None, str]:
+def llama_cpp_decode(options: Options, timeout: float = 600) -> tuple[float | None, str]:
     """llama.cpp's single-stream decode of the same GGUF, same threads: in this process
     where llama-cpp-python is installed, else in the environment the llama.cpp backend
-    runs in (scripts/ensure_engine_env.sh llama.cpp); (None, why) where neither is."""
+    runs in (scripts/ensure_engine_env.sh llama.cpp); (None, why) where neither is or it
+    takes over `timeout` seconds."""
     from agent.engines.llamacpp import llama_cpp_env_is_built, llama_cpp_python
     from engine.loader import smollm2_path
 
@@ -308,7 +309,12 @@ def llama_cpp_decode(options: Options) -> tuple[float | None, str]:
     else:
         return None, "llama-cpp-python not installed (make engine-envs builds its environment)"
     environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    done = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, env=environment, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return None, f"llama.cpp decode did not finish within {timeout:.0f} s"
     if done.returncode != 0:
         return None, f"llama.cpp decode failed: {done.stderr.strip().splitlines()[-1:]}"
     return float(done.stdout.strip().splitlines()[-1]), ""

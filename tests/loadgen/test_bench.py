@@ -1,5 +1,6 @@
 """The bench runner: steps run in child processes and every outcome lands in the report."""
 
+import importlib
 import json
 import time
 from pathlib import Path
@@ -7,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from bench.__main__ import declared_budget, run_step
+from bench import engine_bench
+from bench.__main__ import STEPS, declared_budget, run_step
 from bench.engine_bench import measure_vllm, step_breakdown
 from bench.engine_client import ServingResult
 from bench.engine_vllm import unavailable
@@ -78,6 +80,33 @@ def test_steps_that_work_fail_hang_or_are_missing_are_all_reported(tmp_path):
 def test_budgets_are_read_without_importing():
     assert declared_budget(STEPS_DIR / "hanging_bench.py", quick=True) == 6
     assert declared_budget(STEPS_DIR / "hanging_bench.py", quick=False) == 240
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_steps_budget_is_the_limit_the_runner_gives_it(step: str):
+    """A step's BUDGET_S / QUICK_BUDGET_S must be written in its own module, where the
+    runner reads them: an imported one is invisible there, and the step is stopped at the
+    default limit while it measures for its own."""
+    module = importlib.import_module(f"bench.{step}")
+    path = Path(module.__file__ or "")
+    for name, quick in (("BUDGET_S", False), ("QUICK_BUDGET_S", True)):
+        if hasattr(module, name):
+            assert declared_budget(path, quick=quick) == getattr(module, name), name
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_the_engine_step_measures_within_its_limit(tmp_path, monkeypatch, quick: bool):
+    budgets: list[float] = []
+
+    def measured(options: Options) -> dict[str, Any]:
+        budgets.append(options.budget_s)
+        return {"figures": []}
+
+    monkeypatch.setattr(engine_bench, "measure", measured)
+    monkeypatch.setattr(engine_bench, "plot", lambda report, path: False)
+    engine_bench.run(tmp_path, quick)
+    limit = declared_budget(Path(engine_bench.__file__), quick=quick)
+    assert budgets == [limit - engine_bench.STEP_MARGIN_S]
 
 
 def test_fidelity_comparisons_join_by_request_id():
